@@ -1,0 +1,5 @@
+import sys
+
+from torchpulse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,9 @@
+"""Families of the autograd probe."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from torchpulse.catalog.family import Family
+
+FAMILIES: Final[tuple[Family, ...]] = ()

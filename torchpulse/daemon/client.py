@@ -1,0 +1,65 @@
+"""Blocking client for one-shot requests to the daemon (`torchpulse status`)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from torchpulse.framing import FrameReader
+from torchpulse.protocol import ErrorReply, StatusReply, StatusRequest, decode_daemon_frame, encode
+
+
+class DaemonUnavailable(Exception):
+    pass
+
+
+def request_status(path: Path, timeout: float = 5.0) -> StatusReply:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise DaemonUnavailable(f"no daemon at {path}: {exc.strerror or exc}") from None
+        sock.sendall(encode(StatusRequest()))
+        reader = FrameReader()
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise DaemonUnavailable("the daemon closed the connection without answering")
+            for body in reader.feed(chunk):
+                frame = decode_daemon_frame(body)
+                if isinstance(frame, ErrorReply):
+                    raise DaemonUnavailable(f"daemon refused: {frame.message}")
+                if isinstance(frame, StatusReply):
+                    return frame
+    finally:
+        sock.close()
+
+
+def format_status(reply: StatusReply) -> str:
+    lines = [
+        f"torchpulse daemon {reply.daemon_version} (pid {reply.pid}), up {_duration(reply.uptime_seconds)}",
+        f"events received: {reply.events_received}"
+        + (f", frames rejected: {sum(reply.frames_rejected.values())}" if reply.frames_rejected else ""),
+    ]
+    if not reply.runs:
+        lines.append("no runs connected")
+    for run in reply.runs:
+        state = "ended" if run.ended else "running"
+        lines.append(f"run {run.run} ({state}, world size {run.world_size})")
+        lines.append(f"  {'rank':>4}  {'state':<12} {'pid':>8}  {'host':<16} {'received':>10} {'dropped':>8}")
+        for rank in run.ranks:
+            status = "connected" if rank.connected else f"gone {_duration(rank.last_seen_seconds_ago)}"
+            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {rank.host[:16]:<16} "
+                         f"{rank.events_received:>10} {rank.events_dropped:>8}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

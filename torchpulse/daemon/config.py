@@ -1,0 +1,157 @@
+"""Daemon configuration: embedded defaults, a TOML file, then command-line flags.
+
+Every section is a small frozen dataclass validated in `__post_init__`; an
+unknown key or a wrong type is a `ConfigError` that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchpulse.paths import DEFAULT_LISTEN, default_socket_path, default_state_dir
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the person who wrote the file."""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass(frozen=True)
+class DaemonSection:
+    socket: Path = field(default_factory=default_socket_path)
+    listen: str = DEFAULT_LISTEN
+    state_dir: Path = field(default_factory=default_state_dir)
+    log_format: str = "auto"
+    log_level: str = "info"
+    control_group: str = ""
+    textfile: str = ""
+    textfile_interval_seconds: float = 15.0
+
+    def __post_init__(self) -> None:
+        parse_listen(self.listen)
+        if self.log_format not in ("auto", "json", "console"):
+            raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"daemon.log_level: expected debug, info, warning or error, got {self.log_level!r}")
+        if self.textfile_interval_seconds <= 0:
+            raise ConfigError("daemon.textfile_interval_seconds: must be > 0")
+
+
+@dataclass(frozen=True)
+class RunsSection:
+    grace_period_seconds: float = 300.0
+    series_limit_per_run: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.grace_period_seconds < 0:
+            raise ConfigError("runs.grace_period_seconds: must be >= 0")
+        if self.series_limit_per_run < 1:
+            raise ConfigError("runs.series_limit_per_run: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonSection = field(default_factory=DaemonSection)
+    runs: RunsSection = field(default_factory=RunsSection)
+    # Sections of later features are kept as raw tables until their owners parse them.
+    extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+KNOWN_EXTRA_SECTIONS = ("checkpoints",)
+
+
+def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
+    name = f"{section}.{key}"
+    origin = typing.get_origin(hint)
+    if hint is Path:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a path string, got {type(value).__name__}")
+        return Path(value)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint in (int, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"{name}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    if origin in (list, tuple) or isinstance(hint, types.GenericAlias):
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {type(value).__name__}")
+        return value
+    return value
+
+
+def _section(cls: type[Any], name: str, table: Any) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name}: expected a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+    values = {key: _coerce(name, key, value, hints[key]) for key, value in table.items()}
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def from_mapping(data: dict[str, Any]) -> Config:
+    """Build a Config from parsed TOML, rejecting unknown sections and keys."""
+    for section in data:
+        if section not in ("daemon", "runs", *KNOWN_EXTRA_SECTIONS):
+            raise ConfigError(f"{section}: unknown section")
+    extra = {name: data[name] for name in KNOWN_EXTRA_SECTIONS if name in data}
+    for name, table in extra.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{name}: expected a table")
+    return Config(
+        daemon=_section(DaemonSection, "daemon", data.get("daemon", {})),
+        runs=_section(RunsSection, "runs", data.get("runs", {})),
+        extra=extra,
+    )
+
+
+def load(path: Path | None) -> Config:
+    """Defaults when `path` is None, else the file (errors name the file and key)."""
+    if path is None:
+        return Config()
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return from_mapping(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def with_overrides(config: Config, *, socket: Path | None = None, listen: str | None = None,
+                   state_dir: Path | None = None) -> Config:
+    """Apply command-line flags, which win over the file."""
+    changes: dict[str, Any] = {}
+    if socket is not None:
+        changes["socket"] = socket
+    if listen is not None:
+        changes["listen"] = listen
+    if state_dir is not None:
+        changes["state_dir"] = state_dir
+    return dataclasses.replace(config, daemon=dataclasses.replace(config.daemon, **changes))

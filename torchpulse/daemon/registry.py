@@ -1,0 +1,163 @@
+"""What the daemon knows: runs, their ranks, and each rank's latest series values.
+
+Agents send running totals, so applying a batch is an overwrite, never an
+add: a resent or duplicated batch changes nothing. Everything here runs on
+the daemon's event loop thread; collectors read it on the same thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final
+
+from torchpulse.catalog import CATALOG
+from torchpulse.protocol import Batch, Hello, LogEvent
+
+MAX_LABEL_CHARS: Final = 200
+SeriesKey = tuple[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass
+class RankState:
+    hello: Hello
+    peer: Peer | None
+    connected: bool = True
+    connected_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    events_received: int = 0
+    values: dict[SeriesKey, float] = field(default_factory=dict)
+    histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+
+    @property
+    def events_dropped(self) -> int:
+        return int(sum(v for (name, _), v in self.values.items() if name == "agent_events_dropped_total"))
+
+
+@dataclass
+class RunState:
+    name: str
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    ended_at: float | None = None
+    series: int = 0
+    series_rejected: int = 0
+
+    @property
+    def info(self) -> Hello | None:
+        return next(iter(self.ranks.values())).hello if self.ranks else None
+
+
+class Registry:
+    def __init__(self, series_limit_per_run: int = 5000, grace_period: float = 300.0) -> None:
+        self.series_limit_per_run = series_limit_per_run
+        self.grace_period = grace_period
+        self.runs: dict[str, RunState] = {}
+        self.events_received = 0
+        self.frames_rejected: Counter[str] = Counter()
+        self.series_rejected: Counter[str] = Counter()
+        self.connections = 0
+        self.started = time.monotonic()
+
+    # -- connections --------------------------------------------------------
+    def connect(self, hello: Hello, peer: Peer | None) -> tuple[RunState, RankState]:
+        run = self.runs.get(hello.run)
+        if run is None:
+            run = self.runs[hello.run] = RunState(hello.run)
+        run.ended_at = None
+        previous = run.ranks.get(hello.rank)
+        if previous is not None and previous.hello.pid == hello.pid and previous.hello.host == hello.host:
+            # The same process reconnecting: keep what it told us so far.
+            previous.hello, previous.peer, previous.connected = hello, peer, True
+            previous.connected_at = previous.last_seen = time.monotonic()
+            state = previous
+        else:
+            if previous is not None:
+                run.series -= len(previous.values) + len(previous.histograms)
+            state = run.ranks[hello.rank] = RankState(hello, peer)
+        self.connections += 1
+        return run, state
+
+    def disconnect(self, run: RunState, state: RankState) -> None:
+        self.connections -= 1
+        if run.ranks.get(state.hello.rank) is state:
+            state.connected = False
+        if not any(rank.connected for rank in run.ranks.values()):
+            run.ended_at = time.monotonic()
+
+    def reject_frame(self, reason: str) -> None:
+        self.frames_rejected[reason] += 1
+
+    # -- ingest -------------------------------------------------------------
+    def apply(self, run: RunState, state: RankState, batch: Batch) -> list[LogEvent]:
+        """Overwrite the rank's series with the batch's running totals; return its log events."""
+        state.last_seen = time.monotonic()
+        values = state.values
+        for sample in batch.samples:
+            key = (sample.family, sample.labels)
+            if key not in values:
+                if not self._admit(run, sample.family, sample.labels, histogram=False):
+                    continue
+                run.series += 1
+            values[key] = sample.value
+        histograms = state.histograms
+        for hist in batch.histograms:
+            key = (hist.family, hist.labels)
+            if key not in histograms:
+                if not self._admit(run, hist.family, hist.labels, histogram=True):
+                    continue
+                family = CATALOG[hist.family]
+                if len(hist.bucket_counts) != len(family.buckets) + 1:
+                    self.series_rejected["bad_buckets"] += 1
+                    continue
+                run.series += 1
+            elif len(hist.bucket_counts) != len(histograms[key][0]):
+                self.series_rejected["bad_buckets"] += 1
+                continue
+            histograms[key] = (hist.bucket_counts, hist.total)
+        received = len(batch.samples) + len(batch.histograms) + len(batch.events)
+        state.events_received += received
+        self.events_received += received
+        return batch.events
+
+    def _admit(self, run: RunState, name: str, labels: tuple[str, ...], histogram: bool) -> bool:
+        family = CATALOG.get(name)
+        if family is None:
+            self.series_rejected["unknown_family"] += 1
+            return False
+        if (family.kind == "histogram") != histogram or len(labels) != len(family.labels):
+            self.series_rejected["bad_shape"] += 1
+            return False
+        if any(len(value) > MAX_LABEL_CHARS for value in labels):
+            self.series_rejected["label_too_long"] += 1
+            return False
+        if run.series >= self.series_limit_per_run:
+            run.series_rejected += 1
+            self.series_rejected["run_series_limit"] += 1
+            return False
+        return True
+
+    # -- housekeeping ---------------------------------------------------------
+    def prune(self, now: float | None = None) -> list[str]:
+        """Forget runs that ended more than the grace period ago."""
+        now = time.monotonic() if now is None else now
+        expired = [
+            name for name, run in self.runs.items()
+            if run.ended_at is not None and now - run.ended_at >= self.grace_period
+        ]
+        for name in expired:
+            del self.runs[name]
+        return expired
+
+    def counts(self) -> tuple[int, int]:
+        """Active runs and connected ranks."""
+        ranks = sum(1 for run in self.runs.values() for r in run.ranks.values() if r.connected)
+        runs = sum(1 for run in self.runs.values() if run.ended_at is None)
+        return runs, ranks

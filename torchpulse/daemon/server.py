@@ -1,0 +1,174 @@
+"""The agent socket: an asyncio Unix-socket server speaking `torchpulse.protocol`.
+
+A connection is an agent (Hello, then Batches) or a one-shot client
+(StatusRequest). Anything else is counted as a rejected frame, answered with
+an ErrorReply when the socket still works, and the connection is closed; the
+server itself never stops for a bad peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import structlog
+
+import torchpulse
+from torchpulse.daemon.peercred import peer_of
+from torchpulse.daemon.registry import RankState, Registry, RunState
+from torchpulse.protocol import (
+    HEADER_SIZE,
+    Batch,
+    ErrorReply,
+    FrameError,
+    Goodbye,
+    Hello,
+    LogEvent,
+    StatusReply,
+    StatusRequest,
+    Welcome,
+    decode_agent_frame,
+    encode,
+    parse_header,
+)
+
+log = structlog.get_logger("torchpulse.daemon.server")
+# A peer that connects and says nothing is dropped after this long.
+FIRST_FRAME_TIMEOUT: Final = 10.0
+# Rejection warnings are rate-limited: a hostile client must not flood the journal.
+REJECT_LOG_INTERVAL: Final = 10.0
+LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
+RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp"}
+
+
+class AgentServer:
+    def __init__(self, registry: Registry, status: Callable[[], StatusReply]) -> None:
+        self.registry = registry
+        self.status = status
+        self._server: asyncio.AbstractServer | None = None
+        self._last_reject_log: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, path: Path | None, sock: socket.socket | None = None) -> None:
+        """Listen on `path`, or on an already bound socket (socket activation)."""
+        if sock is None:
+            assert path is not None
+            _prepare_socket_path(path)
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+            # Owner and group; systemd's socket unit sets its own mode instead.
+            os.chmod(path, 0o660)
+        else:
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        peer = peer_of(writer.get_extra_info("socket"))
+        registered: tuple[RunState, RankState] | None = None
+        try:
+            while True:
+                timeout = FIRST_FRAME_TIMEOUT if registered is None else None
+                frame = await self._read_frame(reader, timeout)
+                if frame is None:
+                    return
+                if registered is None:
+                    if isinstance(frame, Hello):
+                        registered = self.registry.connect(frame, peer)
+                        writer.write(encode(Welcome(torchpulse.__version__)))
+                        log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
+                                 host=frame.host, torch=frame.torch_version)
+                    elif isinstance(frame, StatusRequest):
+                        writer.write(encode(self.status()))
+                        await writer.drain()
+                        return
+                    else:
+                        raise FrameError("no_hello", "the first frame of a connection must be hello")
+                elif isinstance(frame, Batch):
+                    run, rank = registered
+                    self._log_events(run.name, rank.hello.rank, self.registry.apply(run, rank, frame))
+                elif isinstance(frame, Goodbye):
+                    continue
+                else:
+                    raise FrameError("unexpected_type", f"{type(frame).__name__} is not valid after hello")
+                await writer.drain()
+        except FrameError as exc:
+            self._reject(exc, writer, peer)
+        except TimeoutError:
+            self._reject(FrameError("timeout", "no complete frame within the timeout"), writer, peer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            if registered is not None:
+                run, rank = registered
+                self.registry.disconnect(run, rank)
+                log.info("agent disconnected", run=run.name, rank=rank.hello.rank)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _read_frame(self, reader: asyncio.StreamReader, timeout: float | None) -> object | None:
+        try:
+            async with asyncio.timeout(timeout):
+                header = await reader.readexactly(HEADER_SIZE)
+                body = await reader.readexactly(parse_header(header))
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise FrameError("truncated", "connection closed in the middle of a frame") from None
+            return None
+        return decode_agent_frame(body)
+
+    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: object) -> None:
+        self.registry.reject_frame(exc.reason)
+        now = time.monotonic()
+        if now - self._last_reject_log.get(exc.reason, -REJECT_LOG_INTERVAL) >= REJECT_LOG_INTERVAL:
+            self._last_reject_log[exc.reason] = now
+            log.warning("rejected a frame and closed the connection", reason=exc.reason,
+                        detail=str(exc), peer=repr(peer))
+        with contextlib.suppress(Exception):
+            writer.write(encode(ErrorReply(exc.reason, str(exc))))
+
+    @staticmethod
+    def _log_events(run: str, rank: int, events: list[LogEvent]) -> None:
+        for event in events:
+            level = event.level if event.level in LEVELS else "info"
+            # An agent's field must not override who sent it.
+            fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
+            getattr(log, level)(event.event, run=run, rank=rank, agent_ts=event.ts, **fields)
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the directory and remove a stale socket left by a crashed daemon."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+    else:
+        raise FileExistsError(f"another daemon is already listening on {path}")
+    finally:
+        probe.close()

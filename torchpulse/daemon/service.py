@@ -1,0 +1,151 @@
+"""The daemon's lifecycle: listeners, housekeeping, signals, reload, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+import torchpulse
+from torchpulse.daemon import config as config_module
+from torchpulse.daemon.config import Config, ConfigError, parse_listen
+from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.server import AgentServer
+from torchpulse.exporters.http import MetricsServer
+from torchpulse.exporters.prometheus import build_registry
+from torchpulse.exporters.textfile import write_textfile
+from torchpulse.protocol import RankStatus, RunStatus, StatusReply
+
+log = structlog.get_logger("torchpulse.daemon")
+HOUSEKEEPING_INTERVAL = 1.0
+
+
+@dataclass
+class Daemon:
+    config: Config
+    config_path: Path | None = None
+    inherited_socket: socket.socket | None = None
+    registry: Registry = field(init=False)
+    on_ready: list[Callable[[Daemon], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        runs = self.config.runs
+        self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds)
+        self.prometheus, self.collectors = build_registry(self.registry)
+        self.agents = AgentServer(self.registry, self.status)
+        self.metrics = MetricsServer(self.prometheus)
+        self._stopping = asyncio.Event()
+        self._reload_requested = False
+        self.started = time.monotonic()
+
+    def status(self) -> StatusReply:
+        now = time.monotonic()
+        runs = [
+            RunStatus(
+                run=run.name,
+                world_size=run.info.world_size if run.info else 0,
+                ended=run.ended_at is not None,
+                ranks=[
+                    RankStatus(rank=rank, pid=st.hello.pid, host=st.hello.host, connected=st.connected,
+                               events_received=st.events_received, events_dropped=st.events_dropped,
+                               last_seen_seconds_ago=round(now - st.last_seen, 3))
+                    for rank, st in sorted(run.ranks.items())
+                ],
+            )
+            for run in self.registry.runs.values()
+        ]
+        return StatusReply(
+            daemon_version=torchpulse.__version__,
+            uptime_seconds=round(now - self.started, 3),
+            pid=os.getpid(),
+            events_received=self.registry.events_received,
+            frames_rejected=dict(self.registry.frames_rejected),
+            runs=runs,
+        )
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop)
+        loop.add_signal_handler(signal.SIGINT, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        daemon_cfg = self.config.daemon
+        await self.agents.start(daemon_cfg.socket, self.inherited_socket)
+        host, port = parse_listen(daemon_cfg.listen)
+        await self.metrics.start(host, port)
+        self._prepare_state_dir()
+        log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
+                 socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
+                 metrics=f"http://{host}:{self.metrics.port}/metrics")
+        for callback in self.on_ready:
+            callback(self)
+        try:
+            await self._housekeeping()
+        finally:
+            log.info("daemon stopping")
+            await self.agents.close()
+            await self.metrics.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _request_reload(self) -> None:
+        self._reload_requested = True
+
+    async def _housekeeping(self) -> None:
+        last_textfile = 0.0
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+            for name in self.registry.prune():
+                log.info("run expired after its grace period", run=name)
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload()
+            textfile = self.config.daemon.textfile
+            now = time.monotonic()
+            if textfile and now - last_textfile >= self.config.daemon.textfile_interval_seconds:
+                last_textfile = now
+                self._write_textfile(Path(textfile))
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file; keep running on the old one if it is bad."""
+        try:
+            new = config_module.load(self.config_path)
+        except ConfigError as exc:
+            log.error("config reload failed; keeping the running config", error=str(exc))
+            return
+        fixed = ("socket", "listen")
+        changed = [k for k in fixed if getattr(new.daemon, k) != getattr(self.config.daemon, k)]
+        if changed:
+            log.warning("these keys need a restart to take effect", keys=changed)
+        self.registry.series_limit_per_run = new.runs.series_limit_per_run
+        self.registry.grace_period = new.runs.grace_period_seconds
+        self.config = config_module.with_overrides(new, socket=self.config.daemon.socket,
+                                                   listen=self.config.daemon.listen)
+        log.info("config reloaded", path=str(self.config_path))
+
+    def _prepare_state_dir(self) -> None:
+        state_dir = self.config.daemon.state_dir
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            probe = state_dir / ".writable"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            # Metrics do not depend on it; features that persist state degrade.
+            log.warning("state directory not writable; continuing without persistence",
+                        state_dir=str(state_dir), error=exc.strerror)
+
+    def _write_textfile(self, path: Path) -> None:
+        try:
+            write_textfile(self.prometheus, path)
+        except OSError as exc:
+            log.warning("cannot write the textfile output", path=str(path), error=exc.strerror)

@@ -1,0 +1,132 @@
+"""A small asyncio HTTP/1.1 server for /metrics, on the daemon's event loop.
+
+Serving on the loop (rather than prometheus_client's threaded server) means
+collectors read the registry on the thread that writes it: no locks, no torn
+reads. Requests are bounded in header size and time, so slow or oversized
+clients are cut off without affecting agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+from collections.abc import Callable
+from typing import Final
+
+import structlog
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+log = structlog.get_logger("torchpulse.exporters.http")
+MAX_HEADER_BYTES: Final = 8192
+HEADER_TIMEOUT: Final = 5.0
+IDLE_TIMEOUT: Final = 60.0
+MAX_CONNECTIONS: Final = 256
+LANDING = b"""<html><head><title>torchpulse</title></head><body><h1>torchpulse</h1>
+<p><a href="/metrics">Metrics</a></p></body></html>"""
+
+
+class MetricsServer:
+    def __init__(self, registry: CollectorRegistry, health: Callable[[], bool] = lambda: True) -> None:
+        self.registry = registry
+        self.health = health
+        self._server: asyncio.Server | None = None
+        self._open = 0
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEADER_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open += 1
+        try:
+            if self._open > MAX_CONNECTIONS:
+                await self._respond(writer, 503, b"too many connections\n", keep_alive=False)
+                return
+            first = True
+            while True:
+                request = await self._read_request(reader, HEADER_TIMEOUT if first else IDLE_TIMEOUT)
+                first = False
+                if request is None:
+                    return
+                method, target, headers = request
+                keep_alive = headers.get("connection", "").lower() != "close"
+                await self._route(writer, method, target, headers, keep_alive)
+                if not keep_alive:
+                    return
+        except (ConnectionError, TimeoutError, asyncio.LimitOverrunError, ValueError):
+            return
+        finally:
+            self._open -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read_request(
+        self, reader: asyncio.StreamReader, timeout: float
+    ) -> tuple[str, str, dict[str, str]] | None:
+        async with asyncio.timeout(timeout):
+            try:
+                raw = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return None
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ValueError("request header too large")
+        lines = raw.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3:
+            raise ValueError("malformed request line")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if headers.get("content-length", "0") not in ("", "0"):
+            raise ValueError("request bodies are not accepted")
+        return parts[0], parts[1], headers
+
+    async def _route(self, writer: asyncio.StreamWriter, method: str, target: str,
+                     headers: dict[str, str], keep_alive: bool) -> None:
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await self._respond(writer, 405, b"method not allowed\n", keep_alive=keep_alive)
+        elif path == "/metrics":
+            encoder, content_type = choose_encoder(headers.get("accept", ""))
+            body = encoder(self.registry)
+            encoding = None
+            if "gzip" in headers.get("accept-encoding", ""):
+                body, encoding = gzip.compress(body, compresslevel=1), "gzip"
+            await self._respond(writer, 200, body, content_type, keep_alive, encoding, method == "HEAD")
+        elif path == "/healthz":
+            ok = self.health()
+            await self._respond(writer, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n",
+                                keep_alive=keep_alive)
+        elif path == "/":
+            await self._respond(writer, 200, LANDING, "text/html; charset=utf-8", keep_alive)
+        else:
+            await self._respond(writer, 404, b"not found\n", keep_alive=keep_alive)
+
+    @staticmethod
+    async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
+                       content_type: str = "text/plain; charset=utf-8", keep_alive: bool = True,
+                       encoding: str | None = None, head: bool = False) -> None:
+        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+        lines = [
+            f"HTTP/1.1 {status} {reason.get(status, 'Error')}",
+            f"Content-Type: {content_type}",
+            f"Content-Length: {len(body)}",
+            f"Connection: {'keep-alive' if keep_alive else 'close'}",
+        ]
+        if encoding:
+            lines.append(f"Content-Encoding: {encoding}")
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        if not head:
+            writer.write(body)
+        await writer.drain()

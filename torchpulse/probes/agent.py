@@ -1,0 +1,149 @@
+"""The in-process agent: a bounded hot-path buffer, cumulative state, and its probes.
+
+Probes call `Agent.record(handler, *payload)` from training threads: an append
+to a bounded deque and nothing else. The sender thread later runs each handler
+to fold the record into the cumulative `MetricStore`, and ships the changes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from torchpulse.probes.config import AgentConfig
+from torchpulse.probes.identity import Identity
+from torchpulse.probes.logs import get_logger
+from torchpulse.probes.store import MetricStore
+from torchpulse.protocol import FieldValue, LogEvent
+
+log = get_logger("torchpulse.agent")
+Record = tuple[Callable[..., None], tuple[Any, ...]]
+# Keeps one hostile recompile reason from filling a frame.
+MAX_FIELD_CHARS = 4096
+
+
+class Agent:
+    """One per process; created by `torchpulse.attach()`."""
+
+    def __init__(self, config: AgentConfig, identity: Identity) -> None:
+        self.config = config
+        self.identity = identity
+        self.pid = os.getpid()
+        # Read on every hook call; cleared on detach and in forked children.
+        self.enabled = True
+        self.store = MetricStore()
+        self.probes: dict[str, Any] = {}
+        self._buffer: deque[Record] = deque()
+        self._capacity = config.buffer_capacity
+        self._buffer_drops = 0
+        self._reported_drops: dict[str, int] = {}
+        self._events: deque[LogEvent] = deque()
+        self._event_drops = 0
+        self._sender: Any = None
+        # Set once a probe recorded something. Processes that import torch but
+        # never train (torchrun's launcher, spawned workers) never connect.
+        self.active = False
+        self._lock = threading.Lock()
+
+    # -- hot path -----------------------------------------------------------
+    def record(self, handler: Callable[..., None], *payload: Any) -> None:
+        """Queue `handler(*payload)` for the sender thread; drop (counted) when full."""
+        if len(self._buffer) < self._capacity:
+            self._buffer.append((handler, payload))
+        else:
+            self._buffer_drops += 1
+
+    # -- sender-thread side -------------------------------------------------
+    def emit(self, level: str, event: str, **fields: FieldValue) -> None:
+        """Queue a structured event for the daemon's log (any thread)."""
+        clean: dict[str, FieldValue] = {
+            k: (v[:MAX_FIELD_CHARS] if isinstance(v, str) else v) for k, v in fields.items()
+        }
+        if len(self._events) < self.config.max_pending_events:
+            self._events.append(LogEvent(time.time(), level, event, clean))
+        else:
+            self._event_drops += 1
+
+    def drain(self) -> None:
+        """Fold every queued record into the store (sender thread only)."""
+        buffer = self._buffer
+        if buffer or self._events:
+            self.active = True
+        while True:
+            try:
+                handler, payload = buffer.popleft()
+            except IndexError:
+                break
+            try:
+                handler(*payload)
+            except Exception as exc:
+                owner = getattr(handler, "__self__", None)
+                fail = getattr(owner, "fail", None)
+                if callable(fail):
+                    fail(exc)
+                else:
+                    log.warning("dropped a record that failed to aggregate", error=repr(exc))
+        self._sync_drop_counters()
+
+    def _sync_drop_counters(self) -> None:
+        for reason, total in (("buffer_full", self._buffer_drops), ("events_overflow", self._event_drops)):
+            if total != self._reported_drops.get(reason, 0):
+                self.store.inc("agent_events_dropped_total", (reason,), total - self._reported_drops.get(reason, 0))
+                self._reported_drops[reason] = total
+
+    def take_events(self, limit: int) -> list[LogEvent]:
+        events: list[LogEvent] = []
+        while self._events and len(events) < limit:
+            events.append(self._events.popleft())
+        return events
+
+    def return_events(self, events: list[LogEvent]) -> None:
+        """Put back events of a batch that was not delivered (oldest dropped first)."""
+        room = self.config.max_pending_events - len(self._events)
+        keep = events[-room:] if room > 0 else []
+        self._event_drops += len(events) - len(keep)
+        self._events.extendleft(reversed(keep))
+
+    @property
+    def dropped_total(self) -> int:
+        return self._buffer_drops + self._event_drops
+
+    @property
+    def buffer_fill(self) -> int:
+        return len(self._buffer)
+
+    # -- lifecycle ----------------------------------------------------------
+    def start(self) -> None:
+        from torchpulse.probes.transport import Sender
+
+        with self._lock:
+            if self._sender is None:
+                self._sender = Sender(self)
+                self._sender.start()
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Ask the sender to send everything now; True when it was delivered."""
+        sender = self._sender
+        return bool(sender.flush(timeout)) if sender is not None else False
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Stop the probes and send a last batch (bounded by `timeout`)."""
+        with self._lock:
+            sender, self._sender = self._sender, None
+        for probe in list(self.probes.values()):
+            probe.uninstall()
+        self.probes.clear()
+        if sender is not None and os.getpid() == self.pid:
+            sender.stop(timeout)
+        self.enabled = False
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: no agent unless the child asks for one."""
+        self.enabled = False
+        self._buffer.clear()
+        self._events.clear()
+        self._sender = None

@@ -1,0 +1,123 @@
+"""attach() / detach(): the one call a training script needs."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from torchpulse.probes.config import AgentConfig
+from torchpulse.probes.identity import current_identity
+from torchpulse.probes.logs import get_logger
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.base import Probe
+
+log = get_logger("torchpulse.agent")
+
+# Probe name -> "module:Class"; imported only when enabled.
+PROBES: dict[str, str] = {
+    "optimizer": "torchpulse.probes.optimizer:OptimizerProbe",
+}
+MIN_TORCH = (2, 4)
+
+_lock = threading.Lock()
+_agent: Agent | None = None
+_fork_hook_registered = False
+
+
+def current_agent() -> Agent | None:
+    agent = _agent
+    return agent if agent is not None and agent.enabled and agent.pid == os.getpid() else None
+
+
+def _torch_supported() -> bool:
+    import torch
+
+    try:
+        major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    except ValueError:
+        return True
+    if (major, minor) < MIN_TORCH:
+        log.warning("torch too old for torchpulse probes; not attaching", torch_version=torch.__version__)
+        return False
+    return True
+
+
+def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | None = None,
+           run: str | None = None, **config: Any) -> Agent | None:
+    """Start this process's agent and install the probes (all configured ones by default).
+
+    Attaching twice returns the running agent with a warning. Returns None when
+    torch is too old.
+    """
+    global _agent, _fork_hook_registered
+    with _lock:
+        if current_agent() is not None:
+            log.warning("torchpulse already attached in this process; ignoring the second attach()")
+            return _agent
+        if not _torch_supported():
+            return None
+        env = dict(os.environ)
+        if run is not None:
+            env["TORCHPULSE_RUN"] = run
+        agent_config = AgentConfig.from_env(
+            env, socket_path=socket, probes=tuple(probes) if probes is not None else None, **config
+        )
+        from torchpulse.probes.agent import Agent
+
+        agent = Agent(agent_config, current_identity(env))
+        for name in agent_config.probes:
+            probe = _make_probe(name, agent)
+            if probe is not None:
+                probe.install()
+                agent.probes[name] = probe
+        agent.start()
+        _agent = agent
+        if not _fork_hook_registered:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            atexit.register(_at_exit)
+            _fork_hook_registered = True
+        return agent
+
+
+def _make_probe(name: str, agent: Agent) -> Probe | None:
+    target = PROBES.get(name)
+    if target is None:
+        log.warning("unknown probe; skipped", probe=name, known=",".join(sorted(PROBES)))
+        return None
+    module_name, _, class_name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        probe: Probe = cls(agent)
+    except Exception as exc:
+        log.warning("probe unavailable on this torch; skipped", probe=name, error=repr(exc))
+        return None
+    return probe
+
+
+def detach() -> None:
+    """Uninstall every probe, send the last batch and stop the agent thread."""
+    global _agent
+    with _lock:
+        agent, _agent = _agent, None
+    if agent is not None:
+        agent.shutdown()
+
+
+def _after_fork_in_child() -> None:
+    global _agent, _lock
+    # Another thread may have held the lock at fork time; the child starts clean.
+    _lock = threading.Lock()
+    agent, _agent = _agent, None
+    if agent is not None:
+        agent.forget_after_fork()
+
+
+def _at_exit() -> None:
+    agent = _agent
+    if agent is not None and agent.pid == os.getpid():
+        detach()

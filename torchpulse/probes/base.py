@@ -1,0 +1,109 @@
+"""What every probe shares: install/uninstall, guarded hooks, self-disable on error."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from torchpulse.probes.logs import get_logger
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+log = get_logger("torchpulse.probes")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+class ProbeHandle:
+    """Returned by `Probe.install()`; `remove()` uninstalls the probe."""
+
+    def __init__(self, probe: Probe) -> None:
+        self._probe = probe
+
+    def remove(self) -> None:
+        self._probe.uninstall()
+
+
+class Probe:
+    """Base class: subclasses implement `_install` and register handles with `_keep`."""
+
+    name: ClassVar[str] = "probe"
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.enabled = False
+        self._handles: list[Removable] = []
+        self._handle: ProbeHandle | None = None
+
+    def install(self) -> ProbeHandle:
+        if self._handle is not None:
+            log.warning("probe already installed; ignoring the second install", probe=self.name)
+            return self._handle
+        self._install()
+        self.enabled = True
+        self._handle = ProbeHandle(self)
+        self.agent.record(self._set_enabled_gauge, 1.0)
+        return self._handle
+
+    def uninstall(self) -> None:
+        self.enabled = False
+        handles, self._handles = self._handles, []
+        for handle in reversed(handles):
+            handle.remove()
+        if self._handle is not None:
+            self._handle = None
+            self._uninstalled()
+            self.agent.record(self._set_enabled_gauge, 0.0)
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _uninstalled(self) -> None:
+        """Hook for subclasses to drop per-install state."""
+
+    def _keep(self, handle: Removable) -> None:
+        self._handles.append(handle)
+
+    def _set_enabled_gauge(self, value: float) -> None:
+        self.agent.store.set("agent_probe_enabled", (self.name,), value)
+
+    def fail(self, exc: BaseException) -> None:
+        """A bug in this probe: log it once, count it, and switch the probe off."""
+        if not self.enabled:
+            return
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        log.warning("probe failed and disabled itself; training continues", probe=self.name, error=summary)
+        self.agent.record(self._count_error)
+        try:
+            self.uninstall()
+        except Exception:  # a broken uninstall must not reach the job either
+            self.enabled = False
+
+    def _count_error(self) -> None:
+        self.agent.store.inc("agent_probe_errors_total", (self.name,))
+
+    def guard(self, hook: F) -> F:
+        """Wrap a hook so it is skipped when disabled, never raises, and never breaks a graph."""
+        agent = self.agent
+
+        @functools.wraps(hook)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if not (self.enabled and agent.enabled):
+                return None
+            try:
+                return hook(*args, **kwargs)
+            except Exception as exc:  # probe bugs must never reach the job
+                self.fail(exc)
+                return None
+
+        import torch
+
+        # Dynamo must not trace into our hooks: they would break graphs or be
+        # baked into them.
+        return torch.compiler.disable(guarded)  # type: ignore[no-any-return]

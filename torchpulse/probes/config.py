@@ -1,0 +1,56 @@
+"""Agent settings, from keyword arguments or the TORCHPULSE_* environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchpulse.paths import agent_socket_path
+
+DEFAULT_PROBES = ("optimizer",)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    socket_path: Path
+    probes: tuple[str, ...] = DEFAULT_PROBES
+    flush_interval: float = 0.25
+    # Records the hot path may queue before it drops: about a minute of a fast
+    # job's events, a few MB at most.
+    buffer_capacity: int = 65536
+    max_pending_events: int = 2048
+    connect_timeout: float = 1.0
+    send_timeout: float = 2.0
+    backoff_initial: float = 0.25
+    backoff_max: float = 5.0
+    optimizer_state_every: int = 100
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.flush_interval <= 0:
+            raise ValueError("flush_interval must be > 0")
+        if self.buffer_capacity < 1 or self.max_pending_events < 1:
+            raise ValueError("buffer_capacity and max_pending_events must be >= 1")
+        if not 0 < self.backoff_initial <= self.backoff_max:
+            raise ValueError("need 0 < backoff_initial <= backoff_max")
+        if self.optimizer_state_every < 1:
+            raise ValueError("optimizer_state_every must be >= 1")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> AgentConfig:
+        """Build from TORCHPULSE_SOCKET, TORCHPULSE_PROBES, TORCHPULSE_FLUSH_INTERVAL."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {"socket_path": agent_socket_path(env)}
+        if env.get("TORCHPULSE_PROBES"):
+            values["probes"] = tuple(p.strip() for p in env["TORCHPULSE_PROBES"].split(",") if p.strip())
+        if env.get("TORCHPULSE_FLUSH_INTERVAL"):
+            values["flush_interval"] = float(env["TORCHPULSE_FLUSH_INTERVAL"])
+        values["options"] = {
+            k[len("TORCHPULSE_OPT_"):].lower(): v for k, v in env.items() if k.startswith("TORCHPULSE_OPT_")
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values["socket_path"], str):
+            values["socket_path"] = Path(values["socket_path"])
+        return cls(**values)  # type: ignore[arg-type]

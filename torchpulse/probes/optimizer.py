@@ -1,0 +1,140 @@
+"""Optimizer probe: step count and time, learning rates, parameter and state size.
+
+Uses the global `register_optimizer_step_pre_hook`/`post_hook`, so every
+optimizer in the process is seen without touching training code. The hooks
+only take a timestamp and queue a record; sizes are measured on the training
+thread (where `optimizer.state` is safe to iterate) every N steps, when the
+state gains entries, and after `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from torchpulse.probes.base import Probe
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+Sizes = tuple[int, int, int]
+
+
+class _Tracked:
+    __slots__ = ("__weakref__", "label", "rescan", "started", "state_len", "steps")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.started: float | None = None
+        self.steps = 0
+        self.state_len = -1
+        self.rescan = True
+
+
+def learning_rates(param_groups: list[dict[str, Any]]) -> tuple[float | None, ...]:
+    """Per-group learning rates without forcing a device sync (a CUDA lr tensor reads as None)."""
+    rates: list[float | None] = []
+    for group in param_groups:
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            rates.append(float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else None)
+        elif isinstance(lr, int | float):
+            rates.append(float(lr))
+        else:
+            rates.append(None)
+    return tuple(rates)
+
+
+def measure(optimizer: Optimizer) -> Sizes:
+    """Parameter tensors, their elements, and local bytes of state tensors."""
+    params = elements = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            params += 1
+            elements += param.numel()
+    state_bytes = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                # DTensor: count the local shard, which is what this rank holds.
+                local = getattr(value, "_local_tensor", value)
+                state_bytes += local.numel() * local.element_size()
+    return params, elements, state_bytes
+
+
+class OptimizerProbe(Probe):
+    name = "optimizer"
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.state_every = agent.config.optimizer_state_every
+        self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
+        self._ids = itertools.count()
+
+    def _install(self) -> None:
+        self._keep(register_optimizer_step_pre_hook(self.guard(self._before_step)))
+        self._keep(register_optimizer_step_post_hook(self.guard(self._after_step)))
+
+    def _uninstalled(self) -> None:
+        self._tracked = weakref.WeakKeyDictionary()
+
+    def _track(self, optimizer: Optimizer) -> _Tracked:
+        tracked = _Tracked(f"{type(optimizer).__name__}#{next(self._ids)}")
+        self._tracked[optimizer] = tracked
+        register = getattr(optimizer, "register_load_state_dict_post_hook", None)
+        if register is not None:
+            ref = weakref.ref(tracked)
+
+            def _loaded(_optimizer: Optimizer) -> None:
+                entry = ref()
+                if entry is not None:
+                    entry.rescan = True
+
+            self._keep(register(_loaded))
+        return tracked
+
+    def _before_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+        tracked = self._tracked.get(optimizer) or self._track(optimizer)
+        if tracked.started is not None:
+            # The previous step raised: its post-hook never ran.
+            self.agent.record(self._on_error, tracked.label)
+        tracked.started = time.perf_counter()
+
+    def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+        end = time.perf_counter()
+        tracked = self._tracked.get(optimizer)
+        if tracked is None or tracked.started is None:
+            return
+        duration = end - tracked.started
+        tracked.started = None
+        tracked.steps += 1
+        sizes: Sizes | None = None
+        state_len = len(optimizer.state)
+        if tracked.rescan or state_len != tracked.state_len or tracked.steps % self.state_every == 0:
+            tracked.rescan = False
+            tracked.state_len = state_len
+            sizes = measure(optimizer)
+        self.agent.record(self._on_step, tracked.label, duration, learning_rates(optimizer.param_groups), sizes)
+
+    # -- sender thread -----------------------------------------------------
+    def _on_step(self, label: str, duration: float, rates: tuple[float | None, ...], sizes: Sizes | None) -> None:
+        store = self.agent.store
+        store.inc("optimizer_steps_total", (label,))
+        store.observe("optimizer_step_duration_seconds", (label,), duration)
+        for index, rate in enumerate(rates):
+            if rate is not None:
+                store.set("optimizer_learning_rate", (label, str(index)), rate)
+        if sizes is not None:
+            params, elements, state_bytes = sizes
+            store.set("optimizer_parameters", (label,), float(params))
+            store.set("optimizer_parameter_elements", (label,), float(elements))
+            store.set("optimizer_state_bytes", (label,), float(state_bytes))
+
+    def _on_error(self, label: str) -> None:
+        self.agent.store.inc("optimizer_step_errors_total", (label,))

@@ -1,0 +1,250 @@
+"""The agent's sender thread: batch, send, reconnect with backoff, never block a step.
+
+The training threads never touch the socket. When the daemon is absent or
+slow, the cumulative state simply waits (it is keyed, so it does not grow)
+and discrete events are dropped and counted once their bounded queue fills.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torchpulse
+from torchpulse.framing import FrameReader
+from torchpulse.probes.logs import get_logger
+from torchpulse.protocol import (
+    Batch,
+    ErrorReply,
+    FrameError,
+    Goodbye,
+    Hello,
+    HistogramSample,
+    LogEvent,
+    Sample,
+    Welcome,
+    decode_daemon_frame,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+log = get_logger("torchpulse.agent")
+# Items per frame: keeps every frame far below MAX_FRAME_BYTES.
+MAX_ITEMS_PER_FRAME = 2000
+# An idle agent still sends an empty batch this often, so the daemon sees it alive.
+HEARTBEAT_INTERVAL = 5.0
+
+
+class Sender(threading.Thread):
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(name="torchpulse-agent", daemon=True)
+        self.agent = agent
+        self.config = agent.config
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+        self._flushed = threading.Condition()
+        self._flush_generation = 0
+        self._completed_generation = 0
+        self._last_flush_ok = False
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader()
+        self._seq = 0
+        self._last_send = 0.0
+        self._backoff = self.config.backoff_initial
+        self._next_attempt = 0.0
+        self._warned_unreachable = False
+        self._gave_up = False
+        self.connected_once = False
+
+    # -- control from other threads ----------------------------------------
+    def flush(self, timeout: float) -> bool:
+        with self._flushed:
+            self._flush_generation += 1
+            wanted = self._flush_generation
+            self._next_attempt = 0.0
+            self._wake.set()
+            self._flushed.wait_for(lambda: self._completed_generation >= wanted, timeout)
+            return self._completed_generation >= wanted and self._last_flush_ok
+
+    def stop(self, timeout: float) -> None:
+        self._stop_event.set()
+        self._next_attempt = 0.0
+        self._wake.set()
+        self.join(timeout)
+
+    # -- the thread ---------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                self._wake.wait(self.config.flush_interval)
+                self._wake.clear()
+                self._cycle()
+            self._cycle(final=True)
+        except Exception as exc:  # a bug here must not take the job down, only the agent
+            log.warning("agent sender stopped after an internal error", error=repr(exc))
+        finally:
+            self._close()
+
+    def _cycle(self, final: bool = False) -> None:
+        with self._flushed:
+            generation = self._flush_generation
+        self.agent.drain()
+        if (self._sock is None and self.agent.active and not self._gave_up
+                and time.monotonic() >= self._next_attempt):
+            self._connect()
+        ok = self._sock is not None and self._send_changes() and self._read_incoming()
+        if final and self._sock is not None:
+            self._send_frame(encode(Goodbye("exit")))
+        with self._flushed:
+            self._completed_generation = generation
+            self._last_flush_ok = ok
+            self._flushed.notify_all()
+
+    # -- connection ---------------------------------------------------------
+    def _connect(self) -> None:
+        path = str(self.config.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.config.connect_timeout)
+        try:
+            sock.connect(path)
+            sock.sendall(encode(self._hello()))
+            reply = self._read_reply(sock)
+        except (OSError, FrameError) as exc:
+            sock.close()
+            self._schedule_retry(path, exc)
+            return
+        if isinstance(reply, ErrorReply):
+            sock.close()
+            self._gave_up = reply.code == "version_mismatch"
+            log.warning("daemon refused this agent", code=reply.code, message=reply.message)
+            self._schedule_retry(path, None)
+            return
+        sock.settimeout(self.config.send_timeout)
+        self._sock = sock
+        self._backoff = self.config.backoff_initial
+        # The daemon may have restarted and know nothing of us.
+        self.agent.store.mark_all_dirty()
+        if self._warned_unreachable:
+            log.warning("reconnected to the daemon; counters continue from their running totals", socket=path)
+        self._warned_unreachable = False
+        self.connected_once = True
+
+    def _read_reply(self, sock: socket.socket) -> Welcome | ErrorReply:
+        deadline = time.monotonic() + self.config.connect_timeout
+        reader = FrameReader()
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionResetError("daemon closed the connection during the handshake")
+            for body in reader.feed(chunk):
+                frame = decode_daemon_frame(body)
+                if isinstance(frame, Welcome | ErrorReply):
+                    return frame
+        raise TimeoutError("no answer to hello")
+
+    def _schedule_retry(self, path: str, exc: BaseException | None) -> None:
+        if not self._warned_unreachable and exc is not None:
+            # The one line a job without a daemon shows on stderr.
+            log.warning(
+                "daemon not reachable; training continues and metrics are sent once it is up",
+                socket=path,
+                error=type(exc).__name__,
+            )
+            self._warned_unreachable = True
+        delay = self._backoff * random.uniform(0.8, 1.2)
+        self._next_attempt = time.monotonic() + delay
+        self._backoff = min(self._backoff * 2, self.config.backoff_max)
+
+    def _hello(self) -> Hello:
+        ident = self.agent.identity
+        try:
+            import torch
+
+            torch_version = str(torch.__version__)
+        except ImportError:
+            torch_version = "unknown"
+        return Hello(
+            run=ident.run,
+            rank=ident.rank,
+            local_rank=ident.local_rank,
+            world_size=ident.world_size,
+            pid=ident.pid,
+            host=ident.host,
+            torch_version=torch_version,
+            agent_version=torchpulse.__version__,
+            command=ident.command,
+            started_at=time.time(),
+        )
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self._reader = FrameReader()
+
+    def _disconnect(self, exc: BaseException) -> None:
+        self._close()
+        self._schedule_retry(str(self.config.socket_path), exc)
+
+    # -- sending ------------------------------------------------------------
+    def _send_changes(self) -> bool:
+        samples, histograms = self.agent.store.take_changes()
+        events = self.agent.take_events(self.config.max_pending_events)
+        now = time.monotonic()
+        if not (samples or histograms or events) and now - self._last_send < HEARTBEAT_INTERVAL:
+            return True
+        self._last_send = now
+        for part_samples, part_hist, part_events in _split(samples, histograms, events):
+            self._seq += 1
+            frame = encode(Batch(self._seq, time.time(), part_samples, part_hist, part_events))
+            if not self._send_frame(frame):
+                self.agent.store.restore_changes(samples, histograms)
+                self.agent.return_events(events)
+                return False
+        return True
+
+    def _send_frame(self, frame: bytes) -> bool:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(frame)
+            return True
+        except OSError as exc:
+            self._disconnect(exc)
+            return False
+
+    def _read_incoming(self) -> bool:
+        """Handle what the daemon sent without waiting for it."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            while select.select([sock], [], [], 0)[0]:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError("daemon closed the connection")
+                for body in self._reader.feed(chunk):
+                    frame = decode_daemon_frame(body)
+                    if isinstance(frame, ErrorReply):
+                        log.warning("daemon reported an error", code=frame.code, message=frame.message)
+        except (OSError, FrameError) as exc:
+            self._disconnect(exc)
+            return False
+        return True
+
+
+def _split(
+    samples: list[Sample], histograms: list[HistogramSample], events: list[LogEvent]
+) -> list[tuple[list[Sample], list[HistogramSample], list[LogEvent]]]:
+    if len(samples) + len(histograms) + len(events) <= MAX_ITEMS_PER_FRAME:
+        return [(samples, histograms, events)]
+    n = MAX_ITEMS_PER_FRAME
+    parts: list[tuple[list[Sample], list[HistogramSample], list[LogEvent]]] = []
+    parts += [(samples[i : i + n], [], []) for i in range(0, len(samples), n)]
+    parts += [([], histograms[i : i + n], []) for i in range(0, len(histograms), n)]
+    parts += [([], [], events[i : i + n]) for i in range(0, len(events), n)]
+    return parts

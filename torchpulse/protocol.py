@@ -1,0 +1,191 @@
+"""The wire schema shared by the probes and the daemon.
+
+A frame is an 8-byte header followed by a msgpack body::
+
+    magic b"TP" | protocol version (u8) | reserved (u8) | body length (u32, big endian)
+
+The version lives in the header, not in the body, so that a daemon can answer
+an agent of another protocol version with a clear error before it tries to
+decode a body whose schema it does not know.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+MAGIC: Final = b"TP"
+HEADER: Final = struct.Struct(">2sBBI")
+HEADER_SIZE: Final = HEADER.size
+# Large enough for a full snapshot of a busy rank, small enough that a hostile
+# length prefix cannot make the daemon allocate much.
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+
+FieldValue = str | int | float | bool | None
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """First frame of an agent connection: who is talking."""
+
+    run: str
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    host: str
+    torch_version: str
+    agent_version: str
+    command: str
+    started_at: float
+
+
+class Sample(msgspec.Struct, array_like=True, frozen=True):
+    """Current value of one counter or gauge series, a running total for counters."""
+
+    family: str
+    labels: tuple[str, ...]
+    value: float
+
+
+class HistogramSample(msgspec.Struct, array_like=True, frozen=True):
+    """Running per-bucket counts (not cumulative; last bucket is +Inf) and sum."""
+
+    family: str
+    labels: tuple[str, ...]
+    bucket_counts: tuple[int, ...]
+    total: float
+
+
+class LogEvent(msgspec.Struct, array_like=True, frozen=True):
+    """A discrete event whose full text belongs in the daemon's structured log."""
+
+    ts: float
+    level: str
+    event: str
+    fields: dict[str, FieldValue]
+
+
+class Batch(msgspec.Struct, tag="batch", frozen=True):
+    """Series that changed since the last batch, plus pending log events."""
+
+    seq: int
+    sent_at: float
+    samples: list[Sample]
+    histograms: list[HistogramSample]
+    events: list[LogEvent]
+
+
+class Goodbye(msgspec.Struct, tag="bye", frozen=True):
+    """Sent by an agent whose process is exiting normally."""
+
+    reason: str
+
+
+class StatusRequest(msgspec.Struct, tag="status_request", frozen=True):
+    """First and only frame of a `torchpulse status` connection."""
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    """The daemon accepted a Hello."""
+
+    daemon_version: str
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True):
+    """The daemon refused a frame; the connection is closed after it."""
+
+    code: str
+    message: str
+
+
+class RankStatus(msgspec.Struct, frozen=True):
+    rank: int
+    pid: int
+    host: str
+    connected: bool
+    events_received: int
+    events_dropped: int
+    last_seen_seconds_ago: float
+
+
+class RunStatus(msgspec.Struct, frozen=True):
+    run: str
+    world_size: int
+    ended: bool
+    ranks: list[RankStatus]
+
+
+class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
+    daemon_version: str
+    uptime_seconds: float
+    pid: int
+    events_received: int
+    frames_rejected: dict[str, int]
+    runs: list[RunStatus]
+
+
+AgentFrame = Hello | Batch | Goodbye | StatusRequest
+DaemonFrame = Welcome | ErrorReply | StatusReply
+
+
+class FrameError(Exception):
+    """A frame that cannot be accepted; `reason` is a bounded metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: AgentFrame | DaemonFrame) -> bytes:
+    """Serialise one message into a complete frame, header included."""
+    body = _encoder.encode(message)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError("oversized", f"frame body of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body)) + body
+
+
+def parse_header(header: bytes) -> int:
+    """Validate a frame header and return the body length."""
+    magic, version, _reserved, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError("bad_magic", f"not a torchpulse frame (magic {magic!r})")
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            "version_mismatch",
+            f"protocol version {version} is not supported by this side (speaks {PROTOCOL_VERSION}); "
+            "upgrade the agent and the daemon together",
+        )
+    if length > MAX_FRAME_BYTES:
+        raise FrameError("oversized", f"frame length {length} exceeds {MAX_FRAME_BYTES}")
+    return int(length)
+
+
+_agent_decoder = msgspec.msgpack.Decoder(AgentFrame)
+_daemon_decoder = msgspec.msgpack.Decoder(DaemonFrame)
+
+
+def decode_agent_frame(body: bytes) -> AgentFrame:
+    """Decode a body sent by an agent (or a CLI client) to the daemon."""
+    try:
+        return _agent_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        # Well-formed msgpack of a shape we do not know: most often a newer
+        # agent's message type, so it is named apart from garbage bytes.
+        reason = "unknown_type" if "`$.type`" in str(exc) else "invalid_frame"
+        raise FrameError(reason, f"invalid frame: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FrameError("decode_error", f"undecodable frame: {exc}") from None
+
+
+def decode_daemon_frame(body: bytes) -> DaemonFrame:
+    """Decode a body sent by the daemon."""
+    try:
+        return _daemon_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise FrameError("decode_error", f"undecodable frame: {exc}") from None
