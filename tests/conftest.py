@@ -1,0 +1,27 @@
+"""Shared fixtures: a real daemon process, scraping, and an agent without transport."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before torch is imported anywhere: one inductor cache per test session, so
+# compiled fixtures are shared inside the run but nothing leaks between runs.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchpulse-inductor-"))
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.support import DaemonProcess, start_daemon  # noqa: E402
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A real `torchpulse daemon` process on a temporary socket and a free port."""
+    proc = start_daemon(tmp_path)
+    try:
+        yield proc
+    finally:
+        proc.stop()

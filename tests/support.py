@@ -1,0 +1,152 @@
+"""Helpers for tests that run real processes: daemon, training jobs, scrapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"condition not met within {timeout}s")
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_exposition(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def select(samples: Samples, name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of `name` whose labels include `labels`."""
+    return {
+        key: value for (sample_name, key), value in samples.items()
+        if sample_name == name and all(dict(key).get(k) == v for k, v in labels.items())
+    }
+
+
+@dataclass
+class DaemonProcess:
+    socket_path: Path
+    port: int
+    state_dir: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    def scrape_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return str(response.read().decode())
+
+    def scrape(self) -> Samples:
+        return parse_exposition(self.scrape_text())
+
+    def log_lines(self) -> list[dict[str, object]]:
+        lines = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        return lines
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["TORCHPULSE_SOCKET"] = str(self.socket_path)
+        env["PYTHONPATH"] = str(REPO)
+        env.update(extra)
+        return env
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return int(self.proc.returncode)
+
+    def restart(self) -> DaemonProcess:
+        """Start a new daemon process on the same socket, port and state."""
+        return start_daemon(self.state_dir.parent, self.socket_path, self.port, self.extra_args)
+
+
+def start_daemon(tmp: Path, socket_path: Path | None = None, port: int | None = None,
+                 extra_args: list[str] | None = None, env: Mapping[str, str] | None = None) -> DaemonProcess:
+    socket_path = socket_path or tmp / "agent.sock"
+    port = port or free_port()
+    state_dir = tmp / "state"
+    log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
+    args = [PYTHON, "-m", "torchpulse", "daemon", "--socket", str(socket_path),
+            "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir), *(extra_args or [])]
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=dict(env) if env is not None else None)
+    daemon = DaemonProcess(socket_path, port, state_dir, log_path, proc, list(extra_args or []))
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {log_path.read_text()}")
+        try:
+            daemon.scrape_text()
+        except OSError:
+            return False
+        return socket_path.exists()
+
+    wait_for(ready, timeout=30)
+    return daemon
+
+
+def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
+    """A real Agent whose probes are installed but whose sender never starts.
+
+    Tests call `agent.drain()` and read `agent.store` directly; call
+    `agent.shutdown()` at the end to uninstall the probes.
+    """
+    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.api import _make_probe
+    from torchpulse.probes.config import AgentConfig
+    from torchpulse.probes.identity import current_identity
+
+    agent = Agent(AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=probes, **config),
+                  current_identity())  # type: ignore[arg-type]
+    for name in probes:
+        probe = _make_probe(name, agent)
+        assert probe is not None, name
+        probe.install()
+        agent.probes[name] = probe
+    return agent

@@ -1,0 +1,115 @@
+"""Read a /metrics exposition back into a per-rank summary (demo and tests)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) pairs."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] == 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return buckets[-1][0]
+
+
+@dataclass
+class RankSummary:
+    run: str
+    rank: str
+    up: bool = False
+    steps: float = 0.0
+    step_buckets: list[tuple[float, float]] = field(default_factory=list)
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    state_bytes: float = 0.0
+    dropped: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def p50(self) -> float:
+        return histogram_quantile(0.5, self.step_buckets)
+
+    @property
+    def p99(self) -> float:
+        return histogram_quantile(0.99, self.step_buckets)
+
+
+def summarize(exposition: str) -> list[RankSummary]:
+    ranks: dict[tuple[str, str], RankSummary] = {}
+    buckets: dict[tuple[str, str], dict[float, float]] = defaultdict(dict)
+
+    def of(labels: dict[str, str]) -> RankSummary:
+        key = (labels["run"], labels["rank"])
+        if key not in ranks:
+            ranks[key] = RankSummary(*key)
+        return ranks[key]
+
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = sample.labels
+            if "run" not in labels or "rank" not in labels:
+                continue
+            name = sample.name
+            if name == "torchpulse_agent_up":
+                of(labels).up = sample.value == 1.0
+            elif name == "torchpulse_optimizer_steps_total":
+                of(labels).steps += sample.value
+            elif name == "torchpulse_optimizer_step_duration_seconds_bucket":
+                key = (labels["run"], labels["rank"])
+                le = float(labels["le"])
+                buckets[key][le] = buckets[key].get(le, 0.0) + sample.value
+            elif name == "torchpulse_optimizer_learning_rate":
+                of(labels).learning_rates[f"{labels['optimizer']}/{labels['param_group']}"] = sample.value
+            elif name == "torchpulse_optimizer_state_bytes":
+                of(labels).state_bytes += sample.value
+            elif name == "torchpulse_agent_events_dropped_total":
+                of(labels).dropped += sample.value
+            elif name.endswith("_total") or family.type == "gauge":
+                extra = of(labels).extra
+                extra[name] = extra.get(name, 0.0) + sample.value
+    for key, pairs in buckets.items():
+        ranks[key].step_buckets = sorted(pairs.items())
+    return sorted(ranks.values(), key=lambda r: (r.run, int(r.rank) if r.rank.isdigit() else 0))
+
+
+def _seconds(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value * 1000:.2f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def format_table(rows: list[RankSummary]) -> str:
+    header = ("run", "rank", "up", "steps", "step p50", "step p99", "learning rate", "state size", "dropped")
+    body = [
+        (r.run, r.rank, "yes" if r.up else "no", f"{r.steps:.0f}", _seconds(r.p50), _seconds(r.p99),
+         ", ".join(f"{v:.3g}" for v in r.learning_rates.values()) or "-", _bytes(r.state_bytes),
+         f"{r.dropped:.0f}")
+        for r in rows
+    ]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *body, strict=True)]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *body)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
