@@ -1,0 +1,64 @@
+"""Daemon configuration: defaults, file, flags, and errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+from torchpulse.daemon.config import Config, ConfigError, from_mapping, load, with_overrides
+from torchpulse.paths import DEFAULT_LISTEN, default_socket_path
+
+
+def test_no_file_gives_embedded_defaults() -> None:
+    """Without a config file the daemon uses the documented defaults."""
+    config = load(None)
+    assert (DEFAULT_LISTEN, default_socket_path()) == (config.daemon.listen, config.daemon.socket)
+
+
+def test_default_socket_is_under_run_for_root_and_runtime_dir_otherwise() -> None:
+    """Root gets /run/torchpulse, a user gets $XDG_RUNTIME_DIR/torchpulse."""
+    assert Path("/run/torchpulse/agent.sock") == default_socket_path({}, uid=0)
+    assert Path("/run/user/1000/torchpulse/agent.sock") == default_socket_path(
+        {"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"daemon": {"listne": "x"}}, "daemon.listne: unknown key"),
+        ({"daemon": {"listen": 9}}, "daemon.listen: expected str, got int"),
+        ({"daemon": {"listen": "localhost"}}, "listen: expected HOST:PORT"),
+        ({"runs": {"series_limit_per_run": 0}}, "runs.series_limit_per_run: must be >= 1"),
+        ({"runs": {"grace_period_seconds": "5m"}}, "runs.grace_period_seconds: expected a number"),
+        ({"damon": {}}, "damon: unknown section"),
+    ],
+)
+def test_bad_values_name_the_key(data: dict[str, dict[str, object]], message: str) -> None:
+    """Each mistake raises one ConfigError whose text names the offending key."""
+    with pytest.raises(ConfigError, match=message):
+        from_mapping(data)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    """--socket/--listen/--state-dir win over the file's values."""
+    path = tmp_path / "tp.toml"
+    path.write_text('[daemon]\nlisten = "127.0.0.1:1"\nsocket = "/a.sock"\n')
+    config = with_overrides(load(path), listen="127.0.0.1:2", state_dir=tmp_path)
+    assert ("127.0.0.1:2", Path("/a.sock"), tmp_path) == (
+        config.daemon.listen, config.daemon.socket, config.daemon.state_dir)
+    assert isinstance(config, Config)
+
+
+def test_bad_config_file_exits_non_zero_with_one_clear_line(tmp_path: Path) -> None:
+    """`torchpulse daemon --config bad.toml` prints one error naming file and key, exits 2."""
+    path = tmp_path / "bad.toml"
+    path.write_text('[runs]\ngrace_period_seconds = -1\n')
+    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert 2 == result.returncode
+    assert [f"torchpulse: invalid configuration: {path}: runs.grace_period_seconds: must be >= 0"] == (
+        result.stderr.strip().splitlines())

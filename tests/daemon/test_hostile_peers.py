@@ -1,0 +1,78 @@
+"""A real daemon keeps serving through garbage, truncated and oversized frames and churn."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import msgspec
+
+from tests.support import DaemonProcess, select, wait_for
+from torchpulse.daemon.client import request_status
+from torchpulse.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Batch, Hello, Sample, encode
+
+HELLO = Hello("hostile", 0, 0, 1, os.getpid(), "h", "2.13.0", "0.1.0", "test", 0.0)
+
+
+def _send(daemon: DaemonProcess, data: bytes, close_write: bool = True) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(daemon.socket_path))
+        sock.sendall(data)
+        if close_write:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _rejected(daemon: DaemonProcess) -> dict[str, float]:
+    samples = select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total")
+    return {dict(k)["reason"]: v for k, v in samples.items() if v}
+
+
+def test_bad_frames_are_rejected_counted_and_answered(daemon: DaemonProcess) -> None:
+    """Random bytes, a truncated frame, an oversized prefix and an unknown type are each counted."""
+    _send(daemon, os.urandom(64).replace(b"TP", b"XX"))
+    _send(daemon, encode(HELLO)[:-3])
+    reply = _send(daemon, HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, 1 << 30), close_write=False)
+    unknown = msgspec.msgpack.encode({"type": "from_the_future"})
+    _send(daemon, HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(unknown)) + unknown, close_write=False)
+    assert b"oversized" in reply
+    wait_for(lambda: 4 == sum(_rejected(daemon).values()))
+    assert {"bad_magic": 1, "truncated": 1, "oversized": 1, "unknown_type": 1} == _rejected(daemon)
+
+
+def test_version_mismatch_gets_an_error_reply_not_a_crash(daemon: DaemonProcess) -> None:
+    """An agent of another protocol version is told so in plain words."""
+    body = encode(HELLO)[HEADER.size:]
+    reply = _send(daemon, HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 0, len(body)) + body, close_write=False)
+    assert b"version_mismatch" in reply and b"upgrade the agent and the daemon together" in reply
+
+
+def test_batches_of_unknown_families_are_refused_but_the_rank_stays(daemon: DaemonProcess) -> None:
+    """A series of an unknown family is counted and skipped; the valid series next to it is kept."""
+    batch = Batch(1, 0.0, [Sample("made_up_total", (), 1.0), Sample("optimizer_steps_total", ("SGD#0",), 4.0)],
+                  [], [])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(daemon.socket_path))
+        sock.sendall(encode(HELLO) + encode(batch))
+        wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="hostile")))
+        samples = daemon.scrape()
+    assert {"unknown_family": 1.0} == {
+        dict(k)["reason"]: v for k, v in select(samples, "torchpulse_daemon_series_rejected_total").items() if v}
+
+
+def test_two_hundred_connections_opened_and_dropped(daemon: DaemonProcess) -> None:
+    """Connection churn leaves the daemon answering status and scrapes, with no connection left open."""
+    for i in range(200):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(daemon.socket_path))
+        if i % 2:
+            sock.sendall(struct.pack(">I", 5))
+        sock.close()
+    wait_for(lambda: 0.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
+    assert daemon.proc.poll() is None
+    assert [] == request_status(daemon.socket_path).runs

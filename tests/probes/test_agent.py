@@ -1,0 +1,175 @@
+"""The in-process agent: bounded hot path, optimizer probe, self-disable, detach, fork."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support import REPO, local_agent
+from torchpulse.probes.agent import Agent
+from torchpulse.probes.optimizer import OptimizerProbe
+
+
+def _train(optimizer: torch.optim.Optimizer, model: torch.nn.Module, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+
+
+def _agent(**config: Any) -> Agent:
+    agent = local_agent(("optimizer",), **config)
+    assert isinstance(agent, Agent)
+    return agent
+
+
+def test_optimizer_probe_counts_steps_lr_and_state() -> None:
+    """Steps, per-group learning rates and state bytes match the optimizer exactly."""
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], lr=0.1)
+    try:
+        _train(optimizer, model, 5)
+        agent.drain()
+        store = agent.store
+        assert 5.0 == store.value("optimizer_steps_total", ("Adam#0",))
+        assert (0.1, 0.5) == (store.value("optimizer_learning_rate", ("Adam#0", "0")),
+                              store.value("optimizer_learning_rate", ("Adam#0", "1")))
+        # exp_avg + exp_avg_sq in fp32 for 15 elements, plus two scalar fp32 step tensors.
+        assert float(2 * 15 * 4 + 2 * 4) == store.value("optimizer_state_bytes", ("Adam#0",))
+        assert (2.0, 15.0) == (store.value("optimizer_parameters", ("Adam#0",)),
+                               store.value("optimizer_parameter_elements", ("Adam#0",)))
+    finally:
+        agent.shutdown()
+
+
+def test_a_step_that_raises_is_counted_as_an_error_not_a_step() -> None:
+    """When step() raises, only the pre-hook runs: the next step counts one error, no bogus duration."""
+
+    class Exploding(torch.optim.SGD):
+        explode = True
+
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if self.explode:
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    optimizer = Exploding(model.parameters(), lr=0.1)
+    try:
+        model(torch.ones(1, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            optimizer.step()
+        optimizer.explode = False
+        optimizer.step()
+        agent.drain()
+        assert (1.0, 1.0) == (agent.store.value("optimizer_steps_total", ("Exploding#0",)),
+                              agent.store.value("optimizer_step_errors_total", ("Exploding#0",)))
+    finally:
+        agent.shutdown()
+
+
+def test_full_buffer_drops_and_counts_instead_of_blocking() -> None:
+    """With a 3-record buffer and no sender, 5 steps keep 3 records and count 2 drops."""
+    agent = _agent(buffer_capacity=3)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        agent.drain()  # the probe-enabled record
+        _train(optimizer, model, 5)
+        agent.drain()
+        assert (3.0, 2.0) == (agent.store.value("optimizer_steps_total", ("SGD#0",)),
+                              agent.store.value("agent_events_dropped_total", ("buffer_full",)))
+    finally:
+        agent.shutdown()
+
+
+def test_a_probe_bug_disables_the_probe_once_and_never_reaches_the_job(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hook that raises is logged once, counted, uninstalled; training continues."""
+    agent = _agent()
+    probe = agent.probes["optimizer"]
+    assert isinstance(probe, OptimizerProbe)
+    probe._before_step = lambda *a: 1 / 0  # type: ignore[method-assign]
+    probe.uninstall()
+    probe.install()
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(optimizer, model, 3)
+    agent.drain()
+    try:
+        assert 1 == sum("probe failed" in r.getMessage() for r in caplog.records)
+        assert 1.0 == agent.store.value("agent_probe_errors_total", ("optimizer",))
+        assert (False, 0.0) == (probe.enabled, agent.store.value("agent_probe_enabled", ("optimizer",)))
+    finally:
+        agent.shutdown()
+
+
+def test_uninstall_removes_the_global_optimizer_hooks() -> None:
+    """After shutdown no torchpulse hook is left in torch's global optimizer hook tables."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    before = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    agent = _agent()
+    assert (before[0] + 1, before[1] + 1) == (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    agent.shutdown()
+    assert before == (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+
+
+def test_install_twice_is_a_no_op_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A second install returns the same handle and logs a warning."""
+    agent = _agent()
+    probe = agent.probes["optimizer"]
+    try:
+        assert probe._handle is probe.install()
+        assert ["torchpulse: probe already installed; ignoring the second install (probe='optimizer')"] == [
+            r.getMessage() for r in caplog.records]
+    finally:
+        agent.shutdown()
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> None:
+    """After fork the child's hooks are inert and attach() there makes a fresh agent."""
+    result = _run("""
+        import os, torch, torchpulse
+        from torchpulse.probes.api import current_agent
+        parent = torchpulse.attach()
+        pid = os.fork()
+        if pid == 0:
+            ok = current_agent() is None and not parent.enabled
+            child = torchpulse.attach()
+            ok = ok and child is not parent and child.pid == os.getpid()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), current_agent() is parent)
+        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+    assert "0 True" == result.stdout.strip(), result.stderr
+
+
+def test_attach_twice_warns_and_detach_removes_every_hook(tmp_path: Any) -> None:
+    """attach() twice returns the same agent with a warning; detach() leaves no hook behind."""
+    result = _run("""
+        import logging, torch, torchpulse
+        from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        n = len(pre)
+        first = torchpulse.attach()
+        second = torchpulse.attach()
+        torchpulse.detach()
+        print(first is second, len(pre) - n)
+        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+    assert "True 0" == result.stdout.strip()
+    assert "already attached" in result.stderr

@@ -1,0 +1,56 @@
+"""Cumulative agent state: running totals, change tracking, bounded labels."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchpulse.catalog import CATALOG
+from torchpulse.probes.store import OTHER, BoundedLabel, MetricStore
+
+
+def test_counters_are_running_totals_and_changes_are_sent_once() -> None:
+    """Two increments give a total of 2, reported once, then nothing until the next change."""
+    store = MetricStore()
+    store.inc("optimizer_steps_total", ("SGD#0",))
+    store.inc("optimizer_steps_total", ("SGD#0",))
+    samples, _ = store.take_changes()
+    assert [2.0] == [s.value for s in samples]
+    assert ([], []) == store.take_changes()
+
+
+def test_unsent_changes_are_restored_and_reconnect_resends_everything() -> None:
+    """A failed send marks its series dirty again; mark_all_dirty resends every series."""
+    store = MetricStore()
+    store.inc("optimizer_steps_total", ("SGD#0",))
+    store.observe("optimizer_step_duration_seconds", ("SGD#0",), 0.003)
+    samples, hists = store.take_changes()
+    store.restore_changes(samples, hists)
+    assert (1, 1) == tuple(map(len, store.take_changes()))
+    store.mark_all_dirty()
+    assert (1, 1) == tuple(map(len, store.take_changes()))
+
+
+def test_histogram_buckets_are_upper_inclusive() -> None:
+    """A value equal to a bucket bound lands in that bucket, like Prometheus' `le`."""
+    store = MetricStore()
+    bounds = CATALOG["optimizer_step_duration_seconds"].buckets
+    store.observe("optimizer_step_duration_seconds", ("SGD#0",), bounds[2])
+    _, [hist] = store.take_changes()
+    assert 1 == hist.bucket_counts[2]
+    assert len(bounds) + 1 == len(hist.bucket_counts)
+
+
+def test_store_refuses_shapes_that_contradict_the_catalog() -> None:
+    """Using a counter as a gauge, or the wrong number of labels, is a probe bug and raises."""
+    store = MetricStore()
+    with pytest.raises(ValueError):
+        store.set("optimizer_steps_total", ("SGD#0",), 1.0)
+    with pytest.raises(ValueError):
+        store.inc("optimizer_steps_total", ())
+
+
+def test_bounded_label_folds_late_values_into_other() -> None:
+    """Past the limit, new values map to `other` and are counted as folded."""
+    label = BoundedLabel(2)
+    assert ["a", "b", OTHER, "a", OTHER] == [label(v) for v in ("a", "b", "c", "a", "d")]
+    assert 2 == label.folded
