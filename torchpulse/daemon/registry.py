@@ -36,6 +36,8 @@ class RankState:
     events_received: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    # Owned by the series collector: rendered `name{labels}` prefixes per series.
+    render_cache: dict[SeriesKey, str | tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def events_dropped(self) -> int:

@@ -20,7 +20,7 @@ from torchpulse.daemon.config import Config, ConfigError, parse_listen
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.exporters.http import MetricsServer
-from torchpulse.exporters.prometheus import build_registry
+from torchpulse.exporters.prometheus import build_exposition
 from torchpulse.exporters.textfile import write_textfile
 from torchpulse.protocol import RankStatus, RunStatus, StatusReply
 
@@ -39,9 +39,9 @@ class Daemon:
     def __post_init__(self) -> None:
         runs = self.config.runs
         self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds)
-        self.prometheus, self.collectors = build_registry(self.registry)
+        self.exposition = build_exposition(self.registry)
         self.agents = AgentServer(self.registry, self.status)
-        self.metrics = MetricsServer(self.prometheus)
+        self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False
         self.started = time.monotonic()
@@ -146,6 +146,6 @@ class Daemon:
 
     def _write_textfile(self, path: Path) -> None:
         try:
-            write_textfile(self.prometheus, path)
+            write_textfile(self.exposition, path)
         except OSError as exc:
             log.warning("cannot write the textfile output", path=str(path), error=exc.strerror)

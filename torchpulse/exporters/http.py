@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Final
 
 import structlog
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from torchpulse.exporters.prometheus import CONTENT_TYPE, Exposition
 
 log = structlog.get_logger("torchpulse.exporters.http")
 MAX_HEADER_BYTES: Final = 8192
@@ -28,8 +27,8 @@ LANDING = b"""<html><head><title>torchpulse</title></head><body><h1>torchpulse</
 
 
 class MetricsServer:
-    def __init__(self, registry: CollectorRegistry, health: Callable[[], bool] = lambda: True) -> None:
-        self.registry = registry
+    def __init__(self, exposition: Exposition, health: Callable[[], bool] = lambda: True) -> None:
+        self.exposition = exposition
         self.health = health
         self._server: asyncio.Server | None = None
         self._open = 0
@@ -98,8 +97,8 @@ class MetricsServer:
         if method not in ("GET", "HEAD"):
             await self._respond(writer, 405, b"method not allowed\n", keep_alive=keep_alive)
         elif path == "/metrics":
-            encoder, content_type = choose_encoder(headers.get("accept", ""))
-            body = encoder(self.registry)
+            # Always text format 0.0.4: Prometheus accepts it whatever it asks for first.
+            body, content_type = self.exposition.render(), CONTENT_TYPE
             encoding = None
             if "gzip" in headers.get("accept-encoding", ""):
                 body, encoding = gzip.compress(body, compresslevel=1), "gzip"

@@ -1,6 +1,10 @@
-"""The scrape: every collector run under supervision on an explicit registry.
+"""The scrape: every collector rendered under supervision into one exposition.
 
-The supervisor times each collector and reports
+Collectors are of two kinds: prometheus_client-style collectors (`collect()`
+yields metric families; each is rendered through its own explicit
+`CollectorRegistry`, never the global one) and text collectors (`render()`
+returns complete families in text format 0.0.4, for the one collector whose
+size grows with the fleet). The supervisor times each collector and reports
 `torchpulse_scrape_collector_duration_seconds{collector}` and
 `torchpulse_scrape_collector_success{collector}`; a collector that raises
 contributes nothing but never fails the scrape.
@@ -9,10 +13,11 @@ contributes nothing but never fails the scrape.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -23,45 +28,66 @@ from torchpulse.exporters.collectors.daemon import DaemonCollector
 from torchpulse.exporters.collectors.series import AgentSeriesCollector
 
 log = structlog.get_logger("torchpulse.exporters")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class SupervisedCollectors(Collector):
-    def __init__(self, collectors: Sequence[NamedCollector]) -> None:
-        self.collectors = list(collectors)
+class TextCollector(Protocol):
+    name: str
 
-    def add(self, collector: NamedCollector) -> None:
-        self.collectors.append(collector)
+    def render(self) -> str: ...
 
-    def collect(self) -> Iterator[Metric]:
+
+class _Fixed(Collector):
+    """Hands already-collected families to generate_latest."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self.metrics
+
+
+def _registry_for(collector: NamedCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)  # type: ignore[arg-type]
+    return registry
+
+
+class Exposition:
+    def __init__(self, collectors: Sequence[NamedCollector | TextCollector]) -> None:
+        self._entries: list[tuple[str, CollectorRegistry | TextCollector]] = []
+        for collector in collectors:
+            self.add(collector)
+
+    def add(self, collector: NamedCollector | TextCollector) -> None:
+        if hasattr(collector, "render"):
+            self._entries.append((collector.name, collector))  # type: ignore[arg-type]
+        else:
+            self._entries.append((collector.name, _registry_for(collector)))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        chunks: list[bytes] = []
         duration = GaugeMetricFamily("torchpulse_scrape_collector_duration_seconds",
                                      "Time a collector took in this scrape.", labels=["collector"])
         success = GaugeMetricFamily("torchpulse_scrape_collector_success",
                                     "1 if the collector succeeded in this scrape.", labels=["collector"])
-        for collector in self.collectors:
+        for name, source in self._entries:
             start = time.perf_counter()
             try:
-                # Materialise inside the try: a generator fails while it is consumed.
-                metrics = list(collector.collect())
+                if isinstance(source, CollectorRegistry):
+                    chunks.append(generate_latest(source))
+                else:
+                    chunks.append(source.render().encode())
                 ok = 1.0
             except Exception:
-                log.exception("collector failed; scrape continues without it", collector=collector.name)
-                metrics, ok = [], 0.0
-            yield from metrics
-            duration.add_metric([collector.name], time.perf_counter() - start)
-            success.add_metric([collector.name], ok)
-        yield duration
-        yield success
-
-    def describe(self) -> Iterable[Metric]:
-        # Unchecked registration: families are built at scrape time.
-        return []
+                log.exception("collector failed; scrape continues without it", collector=name)
+                ok = 0.0
+            duration.add_metric([name], time.perf_counter() - start)
+            success.add_metric([name], ok)
+        chunks.append(generate_latest(_Fixed([duration, success])))  # type: ignore[arg-type]
+        return b"".join(chunks)
 
 
-def build_registry(registry: Registry, extra: Sequence[NamedCollector] = ()) -> tuple[CollectorRegistry, SupervisedCollectors]:
-    """An explicit registry (never the global REGISTRY) holding the supervised collectors."""
-    supervised = SupervisedCollectors(
-        [DaemonCollector(registry), AgentsCollector(registry), AgentSeriesCollector(registry), *extra]
-    )
-    prom = CollectorRegistry(auto_describe=False)
-    prom.register(supervised)
-    return prom, supervised
+def build_exposition(registry: Registry, extra: Sequence[NamedCollector | TextCollector] = ()) -> Exposition:
+    return Exposition([DaemonCollector(registry), AgentsCollector(registry), AgentSeriesCollector(registry),
+                       *extra])

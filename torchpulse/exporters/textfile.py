@@ -6,12 +6,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
+from torchpulse.exporters.prometheus import Exposition
 
 
-def write_textfile(registry: CollectorRegistry, path: Path) -> None:
+def write_textfile(exposition: Exposition, path: Path) -> None:
     """Write the exposition next to `path` and rename it into place (never a partial file)."""
-    data = generate_latest(registry)
+    data = exposition.render()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:

@@ -1,0 +1,199 @@
+"""Daemon ingest and scrape latency under simulated agents.
+
+Run: `.venv/bin/python bench/ingest.py [--seconds S]`.
+
+1. Flood: simulated agents send realistic pre-encoded batches as fast as the
+   daemon reads them; reports series updates ("events") decoded and applied
+   per second of wall time and per second of daemon CPU (one core).
+2. Scrape: 64 runs x 8 ranks connected, each with a realistic snapshot;
+   reports /metrics latency p50/p99 idle and while a flood is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torchpulse.catalog import CATALOG  # noqa: E402
+from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode  # noqa: E402
+
+
+def _hello(run: str, rank: int) -> Hello:
+    return Hello(run, rank, rank % 8, 8, os.getpid(), "bench", "2.13.0", "0.1.0", "bench", time.time())
+
+
+def _snapshot(seq: int, optimizers: int = 4) -> Batch:
+    """About 30 series, the shape of a rank with the foundation probes on."""
+    hist_buckets = len(CATALOG["optimizer_step_duration_seconds"].buckets) + 1
+    samples, hists = [], []
+    for o in range(optimizers):
+        label = f"AdamW#{o}"
+        samples += [Sample("optimizer_steps_total", (label,), float(seq)),
+                    Sample("optimizer_learning_rate", (label, "0"), 1e-3),
+                    Sample("optimizer_learning_rate", (label, "1"), 1e-4),
+                    Sample("optimizer_parameters", (label,), 100.0),
+                    Sample("optimizer_parameter_elements", (label,), 1e6),
+                    Sample("optimizer_state_bytes", (label,), 8e6)]
+        hists.append(HistogramSample("optimizer_step_duration_seconds", (label,),
+                                     tuple(seq if i == 6 else 1 for i in range(hist_buckets)), 0.01 * seq))
+    samples += [Sample("agent_probe_enabled", ("optimizer",), 1.0),
+                Sample("agent_events_dropped_total", ("buffer_full",), 0.0)]
+    return Batch(seq, time.time(), samples, hists, [])
+
+
+def _flood_batch(seq: int) -> Batch:
+    """A large batch of the same realistic series plus one log event (1 in ~500 items)."""
+    snap = _snapshot(seq, optimizers=64)
+    events = [LogEvent(time.time(), "debug", "bench event", {"n": seq})]
+    return Batch(seq, time.time(), snap.samples, snap.histograms, events)
+
+
+def _flood(sock_path: str, worker: int, connections: int, seconds: float) -> None:
+    socks = []
+    for c in range(connections):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        s.sendall(encode(_hello(f"flood-{worker}", c)))
+        s.recv(4096)
+        socks.append(s)
+    frame = encode(_flood_batch(1))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for s in socks:
+            s.sendall(frame)
+    for s in socks:
+        s.close()
+
+
+def _items(batch: Batch) -> int:
+    return len(batch.samples) + len(batch.histograms) + len(batch.events)
+
+
+def _scrape(url: str) -> tuple[float, str]:
+    start = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=30) as response:
+        body = response.read().decode()
+    return time.perf_counter() - start, body
+
+
+def _value(body: str, name: str) -> float:
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _start_flood(sock: Path, workers: int, connections: int, seconds: float) -> list[multiprocessing.Process]:
+    procs = [multiprocessing.Process(target=_flood, args=(str(sock), w, connections, seconds))
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--scrapes", type=int, default=40)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="torchpulse-ingest-"))
+    sock = workdir / "agent.sock"
+    port_sock = socket.socket()
+    port_sock.bind(("127.0.0.1", 0))
+    port = port_sock.getsockname()[1]
+    port_sock.close()
+    url = f"http://127.0.0.1:{port}/metrics"
+    (workdir / "tp.toml").write_text("[runs]\nseries_limit_per_run = 100000\n[daemon]\nlog_level = \"info\"\n")
+    daemon = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--config", str(workdir / "tp.toml"),
+                               "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
+                               "--state-dir", str(workdir / "state")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                _scrape(url)
+                break
+            except OSError:
+                time.sleep(0.05)
+        print(f"daemon pid {daemon.pid}, {os.cpu_count()} cores; flood batch = "
+              f"{_items(_flood_batch(1))} items, {len(encode(_flood_batch(1)))} bytes")
+
+        # 1. Flood.
+        _, before = _scrape(url)
+        cpu0, t0 = _cpu_seconds(daemon.pid), time.monotonic()
+        for p in _start_flood(sock, 1, 8, args.seconds):
+            p.join()
+        cpu1, t1 = _cpu_seconds(daemon.pid), time.monotonic()
+        _, after = _scrape(url)
+        received = _value(after, "torchpulse_daemon_events_received_total") - _value(
+            before, "torchpulse_daemon_events_received_total")
+        per_cpu = received / max(cpu1 - cpu0, 1e-9)
+        print("\n1. ingest flood (1 sender process, 8 connections)")
+        print(f"   events applied: {received:,.0f} in {t1 - t0:.1f} s wall, daemon CPU {cpu1 - cpu0:.1f} s")
+        print(f"   events/s (wall): {received / (t1 - t0):,.0f}")
+        print(f"   events per daemon CPU-second (one core): {per_cpu:,.0f}   budget >= 200,000  "
+              f"{'ok' if per_cpu >= 200_000 else 'UNDER'}")
+
+        # 2. 64 runs x 8 ranks connected, then scrape.
+        ranks = []
+        for r in range(64):
+            for k in range(8):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(sock))
+                s.sendall(encode(_hello(f"run-{r:02d}", k)) + encode(_snapshot(100)))
+                ranks.append(s)
+        for s in ranks:
+            s.recv(4096)
+        time.sleep(0.5)
+        latencies = []
+        for _ in range(args.scrapes):
+            latency, body = _scrape(url)
+            latencies.append(latency)
+        series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
+        p50 = statistics.median(latencies)
+        p99 = sorted(latencies)[max(0, int(len(latencies) * 0.99) - 1)]
+        print(f"\n2. /metrics with 64 runs x 8 ranks connected ({series:,} samples, {len(body) / 1e6:.1f} MB)")
+        print(f"   idle:        p50 {p50 * 1e3:.1f} ms  p99 {p99 * 1e3:.1f} ms   budget p50 <= 50 ms  "
+              f"{'ok' if p50 <= 0.05 else 'OVER'}")
+        flood = _start_flood(sock, 1, 8, args.seconds)
+        time.sleep(0.5)
+        loaded = [_scrape(url)[0] for _ in range(args.scrapes)]
+        for p in flood:
+            p.join()
+        print(f"   under flood: p50 {statistics.median(loaded) * 1e3:.1f} ms  "
+              f"p99 {sorted(loaded)[max(0, int(len(loaded) * 0.99) - 1)] * 1e3:.1f} ms")
+        print(f"   daemon RSS: {_rss_mib(daemon.pid):.0f} MiB")
+        for s in ranks:
+            s.close()
+        return 0
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

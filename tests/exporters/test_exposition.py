@@ -1,0 +1,53 @@
+"""The exposition: supervised collectors, text rendering of agent series, escaping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+from tests.support import parse_exposition, select
+from torchpulse.daemon.registry import Registry
+from torchpulse.exporters.prometheus import build_exposition
+from torchpulse.protocol import Batch, Hello, HistogramSample, Sample
+
+HELLO = Hello('we"ird\\run\n', 3, 0, 4, 1, "h", "2.13.0", "0.1.0", "cmd", 0.0)
+
+
+class Broken:
+    name = "broken"
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("torchpulse_half", "emitted before the failure", value=1.0)
+        raise RuntimeError("collector bug")
+
+
+def _registry_with_one_rank() -> Registry:
+    registry = Registry()
+    run, rank = registry.connect(HELLO, None)
+    registry.apply(run, rank, Batch(1, 0.0, [
+        Sample("optimizer_steps_total", ('Ad"am#0',), 5.0),
+        Sample("optimizer_learning_rate", ("Adam#0", "0"), math.inf),
+    ], [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (1,) * 19, 2.5)], []))
+    return registry
+
+
+def test_a_failing_collector_is_reported_and_the_scrape_survives() -> None:
+    """A collector that raises adds nothing (not even its partial output) and reports success 0."""
+    exposition = build_exposition(_registry_with_one_rank(), [Broken()])
+    samples = parse_exposition(exposition.render().decode())
+    assert {"broken": 0.0, "daemon": 1.0, "agents": 1.0, "agent_series": 1.0} == {
+        dict(k)["collector"]: v for k, v in select(samples, "torchpulse_scrape_collector_success").items()}
+    assert {} == select(samples, "torchpulse_half")
+
+
+def test_agent_series_render_escaped_labels_histograms_and_infinities() -> None:
+    """Rendered text parses back to the same labels and values, with cumulative buckets."""
+    samples = parse_exposition(build_exposition(_registry_with_one_rank()).render().decode())
+    run = 'we"ird\\run\n'
+    assert [5.0] == list(select(samples, "torchpulse_optimizer_steps_total", run=run, optimizer='Ad"am#0').values())
+    assert [math.inf] == list(select(samples, "torchpulse_optimizer_learning_rate", rank="3").values())
+    buckets = select(samples, "torchpulse_optimizer_step_duration_seconds_bucket", le="+Inf")
+    assert ([19.0], [19.0]) == (list(buckets.values()), list(
+        select(samples, "torchpulse_optimizer_step_duration_seconds_count").values()))
