@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchpulse.catalog import CATALOG  # noqa: E402
-from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode  # noqa: E402
+from torchpulse.catalog import CATALOG
+from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode
 
 
 def _hello(run: str, rank: int) -> Hello:

@@ -21,8 +21,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torchpulse  # noqa: E402
-from bench.harness import Variant, interleaved, report  # noqa: E402
+import torchpulse
+from bench.harness import Variant, interleaved, report
 
 
 def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, object]:

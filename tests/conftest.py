@@ -9,12 +9,12 @@ import tempfile
 # compiled fixtures are shared inside the run but nothing leaks between runs.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchpulse-inductor-"))
 
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.support import DaemonProcess, start_daemon  # noqa: E402
+from tests.support import DaemonProcess, start_daemon
 
 
 @pytest.fixture

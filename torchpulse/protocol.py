@@ -173,7 +173,8 @@ _daemon_decoder = msgspec.msgpack.Decoder(DaemonFrame)
 def decode_agent_frame(body: bytes) -> AgentFrame:
     """Decode a body sent by an agent (or a CLI client) to the daemon."""
     try:
-        return _agent_decoder.decode(body)
+        frame: AgentFrame = _agent_decoder.decode(body)
+        return frame
     except msgspec.ValidationError as exc:
         # Well-formed msgpack of a shape we do not know: most often a newer
         # agent's message type, so it is named apart from garbage bytes.
@@ -186,6 +187,7 @@ def decode_agent_frame(body: bytes) -> AgentFrame:
 def decode_daemon_frame(body: bytes) -> DaemonFrame:
     """Decode a body sent by the daemon."""
     try:
-        return _daemon_decoder.decode(body)
+        frame: DaemonFrame = _daemon_decoder.decode(body)
+        return frame
     except msgspec.DecodeError as exc:
         raise FrameError("decode_error", f"undecodable frame: {exc}") from None

@@ -130,8 +130,8 @@ def test_install_twice_is_a_no_op_with_a_warning(caplog: pytest.LogCaptureFixtur
     probe = agent.probes["optimizer"]
     try:
         assert probe._handle is probe.install()
-        assert ["torchpulse: probe already installed; ignoring the second install (probe='optimizer')"] == [
-            r.getMessage() for r in caplog.records]
+        expected = "torchpulse: probe already installed; ignoring the second install (probe='optimizer')"
+        assert [expected] == [r.getMessage() for r in caplog.records]
     finally:
         agent.shutdown()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import stat
 import time
@@ -63,7 +62,7 @@ class AgentServer:
             _prepare_socket_path(path)
             self._server = await asyncio.start_unix_server(self._serve, path=str(path))
             # Owner and group; systemd's socket unit sets its own mode instead.
-            os.chmod(path, 0o660)
+            path.chmod(0o660)
         else:
             self._server = await asyncio.start_unix_server(self._serve, sock=sock)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Final
 
 import structlog
+
 from torchpulse.exporters.prometheus import CONTENT_TYPE, Exposition
 
 log = structlog.get_logger("torchpulse.exporters.http")

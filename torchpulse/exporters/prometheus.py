@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
@@ -31,6 +31,7 @@ log = structlog.get_logger("torchpulse.exporters")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+@runtime_checkable
 class TextCollector(Protocol):
     name: str
 
@@ -49,7 +50,7 @@ class _Fixed(Collector):
 
 def _registry_for(collector: NamedCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)  # type: ignore[arg-type]
+    registry.register(collector)
     return registry
 
 
@@ -60,10 +61,12 @@ class Exposition:
             self.add(collector)
 
     def add(self, collector: NamedCollector | TextCollector) -> None:
-        if hasattr(collector, "render"):
-            self._entries.append((collector.name, collector))  # type: ignore[arg-type]
+        source: CollectorRegistry | TextCollector
+        if isinstance(collector, TextCollector):
+            source = collector
         else:
-            self._entries.append((collector.name, _registry_for(collector)))  # type: ignore[arg-type]
+            source = _registry_for(collector)
+        self._entries.append((collector.name, source))
 
     def render(self) -> bytes:
         chunks: list[bytes] = []
@@ -84,7 +87,7 @@ class Exposition:
                 ok = 0.0
             duration.add_metric([name], time.perf_counter() - start)
             success.add_metric([name], ok)
-        chunks.append(generate_latest(_Fixed([duration, success])))  # type: ignore[arg-type]
+        chunks.append(generate_latest(_Fixed([duration, success])))
         return b"".join(chunks)
 
 

@@ -106,4 +106,4 @@ class Probe:
 
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.
-        return torch.compiler.disable(guarded)  # type: ignore[no-any-return]
+        return torch.compiler.disable(guarded)  # type: ignore[no-untyped-call,no-any-return]

@@ -41,7 +41,7 @@ def _prefix(family: Family, run: str, rank: int, values: tuple[str, ...]) -> Pre
     labels = _labels(family, run, rank, values)
     if family.kind != "histogram":
         return f"{family.exposed_name}{{{labels}}} "
-    bounds = [floatToGoString(b) for b in family.buckets] + ["+Inf"]
+    bounds = [floatToGoString(b) for b in family.buckets] + ["+Inf"]  # type: ignore[no-untyped-call]
     name = family.exposed_name
     return (*(f'{name}_bucket{{{labels},le="{b}"}} ' for b in bounds),
             f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
