@@ -1,0 +1,71 @@
+"""Daemon lifecycle in a real process: SIGHUP reload, SIGTERM, textfile output, stale sockets."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.support import parse_exposition, select, start_daemon, wait_for
+
+
+def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Path) -> None:
+    """A valid edit is applied on SIGHUP; a broken file is logged and the daemon keeps running."""
+    config = tmp_path / "tp.toml"
+    config.write_text("[runs]\nseries_limit_per_run = 100\n")
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    try:
+        config.write_text("[runs]\nseries_limit_per_run = 7\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e.get("event") == "config reloaded" for e in daemon.log_lines()))
+        config.write_text("[runs]\nseries_limit_per_run = 'many'\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e.get("event") == "config reload failed; keeping the running config"
+                             for e in daemon.log_lines()))
+        assert daemon.proc.poll() is None
+        assert 1.0 == select(daemon.scrape(), "torchpulse_build_info", version="0.1.0")[
+            (("protocol_version", "1"), ("version", "0.1.0"))]
+    finally:
+        assert 0 == daemon.stop(signal.SIGTERM)
+
+
+def test_sigterm_stops_cleanly_and_a_stale_socket_is_replaced(tmp_path: Path) -> None:
+    """SIGTERM exits 0; a socket file left by a SIGKILLed daemon does not block the next start."""
+    first = start_daemon(tmp_path)
+    first.stop(signal.SIGKILL)
+    assert first.socket_path.exists()
+    second = first.restart()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(second.socket_path))
+    finally:
+        assert 0 == second.stop(signal.SIGTERM)
+
+
+def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
+    """With `textfile` set the daemon writes a parseable .prom file for node_exporter."""
+    prom = tmp_path / "torchpulse.prom"
+    config = tmp_path / "tp.toml"
+    config.write_text(f'[daemon]\ntextfile = "{prom}"\ntextfile_interval_seconds = 0.2\n')
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    try:
+        wait_for(prom.exists)
+        samples = parse_exposition(prom.read_text())
+        assert [1.0] == list(select(samples, "torchpulse_build_info").values())
+        assert [] == [p.name for p in tmp_path.iterdir() if p.name.startswith(".torchpulse.prom.")]
+    finally:
+        daemon.stop()
+
+
+def test_a_second_daemon_on_a_live_socket_refuses_to_start(tmp_path: Path) -> None:
+    """Starting a daemon on a socket another daemon serves fails instead of stealing it."""
+    daemon = start_daemon(tmp_path)
+    second_dir = tmp_path / "second"
+    second_dir.mkdir()
+    try:
+        with pytest.raises(RuntimeError, match="another daemon is already listening"):
+            start_daemon(second_dir, socket_path=daemon.socket_path)
+    finally:
+        daemon.stop()
