@@ -28,7 +28,32 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser("check", help="validate a DCP checkpoint directory", add_help=False)
+    _add_ctl(sub)
     return parser
+
+
+def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run", required=True, help="run to address")
+    common.add_argument("--rank", type=int, action="append", help="rank to address (repeatable; default all)")
+    common.add_argument("--socket", type=str, help="daemon socket")
+    common.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+    ctl = sub.add_parser("ctl", help="send a command to the agents of a running job")
+    actions = ctl.add_subparsers(dest="action", required=True)
+    actions.add_parser("status", parents=[common], help="probes, sampling, buffer fill, last step")
+    for name in ("enable", "disable"):
+        action = actions.add_parser(name, parents=[common], help=f"{name} a probe at the next step")
+        action.add_argument("probe")
+    sample = actions.add_parser("sample", parents=[common], help="set a probe's sampling rate, e.g. autograd 0.1")
+    sample.add_argument("probe")
+    sample.add_argument("rate", type=float)
+    log = actions.add_parser("autograd-log", parents=[common], help="log every autograd node for N passes")
+    log.add_argument("passes", type=int)
+    trace = actions.add_parser("trace", parents=[common], help="capture a torch.profiler trace of N steps")
+    trace.add_argument("--steps", type=int, required=True)
+    trace.add_argument("--out", required=True, help="directory for the Chrome-trace JSON files")
+    trace.add_argument("--start-step", type=int, help="first step to trace (default: the same near step on all ranks)")
+    actions.add_parser("cudagraph-dump", parents=[common], help="CUDA-graph tree state, read on the training thread")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,7 +74,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(cmd, socket=args.socket, run_name=args.run_name, probes=args.probes)
     if args.command == "status":
         return _status(args.socket, args.json)
+    if args.command == "ctl":
+        return _ctl(args)
     return 2
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torchpulse.daemon.client import DaemonUnavailable, format_ctl, send_ctl
+    from torchpulse.paths import agent_socket_path
+    from torchpulse.protocol import CtlRequest, FieldValue
+
+    command_args: dict[str, FieldValue] = {}
+    timeout = float(args.timeout)
+    if args.action in ("enable", "disable", "sample"):
+        command_args["probe"] = args.probe
+    if args.action == "sample":
+        command_args["rate"] = args.rate
+    if args.action == "autograd-log":
+        command_args["passes"] = args.passes
+    if args.action == "trace":
+        command_args.update(steps=args.steps, out=str(Path(args.out).resolve()))
+        if args.start_step is not None:
+            command_args["start_step"] = args.start_step
+    request = CtlRequest(args.run, args.rank, args.action, command_args, timeout)
+    path = Path(args.socket) if args.socket else agent_socket_path()
+    try:
+        reply = send_ctl(path, request, timeout + 5.0)
+    except DaemonUnavailable as exc:
+        print(f"torchpulse: {exc}", file=sys.stderr)
+        return 1
+    print(format_ctl(reply))
+    return 0 if reply.results and all(r.status == "ok" for r in reply.results) else 1
 
 
 def _status(socket_arg: str | None, as_json: bool) -> int:

@@ -88,6 +88,46 @@ class StatusRequest(msgspec.Struct, tag="status_request", frozen=True):
     """First and only frame of a `torchpulse status` connection."""
 
 
+class Command(msgspec.Struct, tag="command", frozen=True):
+    """Daemon to agent: do something at the next safe point and answer with a CommandResult."""
+
+    id: int
+    name: str
+    args: dict[str, FieldValue]
+
+
+class CommandResult(msgspec.Struct, tag="command_result", frozen=True):
+    """Agent to daemon: the outcome of one Command."""
+
+    id: int
+    ok: bool
+    message: str
+    data: dict[str, FieldValue]
+
+
+class CtlRequest(msgspec.Struct, tag="ctl_request", frozen=True):
+    """First and only frame of a `torchpulse ctl` connection: a command for some ranks of a run."""
+
+    run: str
+    ranks: list[int] | None
+    name: str
+    args: dict[str, FieldValue]
+    timeout: float
+
+
+class RankResult(msgspec.Struct, frozen=True):
+    rank: int
+    status: str  # ok | failed | timeout | not_connected
+    message: str
+    data: dict[str, FieldValue]
+
+
+class CtlReply(msgspec.Struct, tag="ctl_reply", frozen=True):
+    run: str
+    command: str
+    results: list[RankResult]
+
+
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     """The daemon accepted a Hello."""
 
@@ -127,8 +167,8 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     runs: list[RunStatus]
 
 
-AgentFrame = Hello | Batch | Goodbye | StatusRequest
-DaemonFrame = Welcome | ErrorReply | StatusReply
+AgentFrame = Hello | Batch | Goodbye | StatusRequest | CommandResult | CtlRequest
+DaemonFrame = Welcome | ErrorReply | StatusReply | Command | CtlReply
 
 
 class FrameError(Exception):

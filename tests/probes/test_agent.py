@@ -173,3 +173,23 @@ def test_attach_twice_warns_and_detach_removes_every_hook(tmp_path: Any) -> None
         """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
     assert "True 0" == result.stdout.strip()
     assert "already attached" in result.stderr
+
+
+def test_a_subclass_calling_super_step_counts_one_step() -> None:
+    """Torch hooks both the subclass's and the parent's step(); that nesting is one step, not an error."""
+
+    class Clipped(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            return super().step(closure)
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # make sure AdamW.step itself is hooked
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    optimizer = Clipped(model.parameters(), lr=0.1)
+    try:
+        _train(optimizer, model, 3)
+        agent.drain()
+        assert (3.0, None) == (agent.store.value("optimizer_steps_total", ("Clipped#0",)),
+                               agent.store.value("optimizer_step_errors_total", ("Clipped#0",)))
+    finally:
+        agent.shutdown()

@@ -6,7 +6,15 @@ import socket
 from pathlib import Path
 
 from torchpulse.framing import FrameReader
-from torchpulse.protocol import ErrorReply, StatusReply, StatusRequest, decode_daemon_frame, encode
+from torchpulse.protocol import (
+    CtlReply,
+    CtlRequest,
+    ErrorReply,
+    StatusReply,
+    StatusRequest,
+    decode_daemon_frame,
+    encode,
+)
 
 
 class DaemonUnavailable(Exception):
@@ -63,3 +71,41 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+def send_ctl(path: Path, request: CtlRequest, timeout: float) -> CtlReply:
+    """Send one command request and wait for the per-rank results."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise DaemonUnavailable(f"no daemon at {path}: {exc.strerror or exc}") from None
+        sock.sendall(encode(request))
+        reader = FrameReader()
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise DaemonUnavailable(f"the daemon did not answer within {timeout:g}s") from None
+            if not chunk:
+                raise DaemonUnavailable("the daemon closed the connection without answering")
+            for body in reader.feed(chunk):
+                frame = decode_daemon_frame(body)
+                if isinstance(frame, ErrorReply):
+                    raise DaemonUnavailable(f"refused: {frame.message}")
+                if isinstance(frame, CtlReply):
+                    return frame
+    finally:
+        sock.close()
+
+
+def format_ctl(reply: CtlReply) -> str:
+    if not reply.results:
+        return f"run {reply.run}: no such run, or no ranks connected"
+    lines = []
+    for result in reply.results:
+        data = " ".join(f"{k}={v}" for k, v in sorted(result.data.items()))
+        lines.append(f"rank {result.rank:>3}  {result.status:<13} {result.message}" + (f"  {data}" if data else ""))
+    return "\n".join(lines)

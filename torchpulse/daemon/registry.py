@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -36,6 +37,11 @@ class RankState:
     events_received: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    # Sends a frame to this rank's agent while it is connected (set by the server).
+    channel: Callable[[bytes], None] | None = None
+    # Steps per second of the first optimizer, smoothed; for synchronised traces.
+    step_rate: float = 0.0
+    _rate_mark: tuple[float, float] | None = None
     # Owned by the series collector: rendered `name{labels}` prefixes per series.
     render_cache: dict[SeriesKey, str | tuple[str, ...]] = field(default_factory=dict)
 
@@ -55,6 +61,15 @@ class RunState:
     @property
     def info(self) -> Hello | None:
         return next(iter(self.ranks.values())).hello if self.ranks else None
+
+
+def _update_step_rate(state: RankState, steps: float) -> None:
+    now = time.monotonic()
+    mark = state._rate_mark
+    state._rate_mark = (now, steps)
+    if mark is not None and now > mark[0] and steps >= mark[1]:
+        rate = (steps - mark[1]) / (now - mark[0])
+        state.step_rate = rate if state.step_rate == 0 else 0.7 * state.step_rate + 0.3 * rate
 
 
 class Registry:
@@ -91,6 +106,7 @@ class Registry:
         self.connections -= 1
         if run.ranks.get(state.hello.rank) is state:
             state.connected = False
+            state.channel = None
         if not any(rank.connected for rank in run.ranks.values()):
             run.ended_at = time.monotonic()
 
@@ -109,6 +125,8 @@ class Registry:
                     continue
                 run.series += 1
             values[key] = sample.value
+            if sample.family == "optimizer_steps_total" and sample.labels[0].endswith("#0"):
+                _update_step_rate(state, sample.value)
         histograms = state.histograms
         for hist in batch.histograms:
             key = (hist.family, hist.labels)

@@ -20,11 +20,15 @@ from typing import Final
 import structlog
 
 import torchpulse
+from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.peercred import peer_of
-from torchpulse.daemon.registry import RankState, Registry, RunState
+from torchpulse.daemon.registry import Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
     HEADER_SIZE,
     Batch,
+    CommandResult,
+    CtlReply,
+    CtlRequest,
     ErrorReply,
     FrameError,
     Goodbye,
@@ -48,9 +52,10 @@ RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestam
 
 
 class AgentServer:
-    def __init__(self, registry: Registry, status: Callable[[], StatusReply]) -> None:
+    def __init__(self, registry: Registry, status: Callable[[], StatusReply], control: ControlHub) -> None:
         self.registry = registry
         self.status = status
+        self.control = control
         self._server: asyncio.AbstractServer | None = None
         self._last_reject_log: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -89,6 +94,7 @@ class AgentServer:
                 if registered is None:
                     if isinstance(frame, Hello):
                         registered = self.registry.connect(frame, peer)
+                        registered[1].channel = writer.write
                         writer.write(encode(Welcome(torchpulse.__version__)))
                         log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
                                  host=frame.host, torch=frame.torch_version)
@@ -96,11 +102,16 @@ class AgentServer:
                         writer.write(encode(self.status()))
                         await writer.drain()
                         return
+                    elif isinstance(frame, CtlRequest):
+                        await self._ctl(frame, peer, writer)
+                        return
                     else:
                         raise FrameError("no_hello", "the first frame of a connection must be hello")
                 elif isinstance(frame, Batch):
                     run, rank = registered
                     self._log_events(run.name, rank.hello.rank, self.registry.apply(run, rank, frame))
+                elif isinstance(frame, CommandResult):
+                    self.control.resolve(frame)
                 elif isinstance(frame, Goodbye):
                     continue
                 else:
@@ -122,6 +133,16 @@ class AgentServer:
                 await writer.wait_closed()
             if task is not None:
                 self._tasks.discard(task)
+
+    async def _ctl(self, request: CtlRequest, peer: Peer | None, writer: asyncio.StreamWriter) -> None:
+        try:
+            reply: CtlReply | ErrorReply = await self.control.handle(request, peer)
+        except NotAuthorized as exc:
+            log.warning("command refused", command=request.name, run=request.run,
+                        uid=peer.uid if peer else None, pid=peer.pid if peer else None, reason=str(exc))
+            reply = ErrorReply("not_authorized", str(exc))
+        writer.write(encode(reply))
+        await writer.drain()
 
     async def _read_frame(self, reader: asyncio.StreamReader, timeout: float | None) -> object | None:
         try:

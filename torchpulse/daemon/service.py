@@ -17,6 +17,7 @@ import structlog
 import torchpulse
 from torchpulse.daemon import config as config_module
 from torchpulse.daemon.config import Config, ConfigError, parse_listen
+from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.exporters.http import MetricsServer
@@ -40,7 +41,8 @@ class Daemon:
         runs = self.config.runs
         self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds)
         self.exposition = build_exposition(self.registry)
-        self.agents = AgentServer(self.registry, self.status)
+        self.control = ControlHub(self.registry, lambda: self.config.daemon.control_group)
+        self.agents = AgentServer(self.registry, self.status, self.control)
         self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False

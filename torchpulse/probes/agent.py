@@ -47,6 +47,11 @@ class Agent:
         # Set once a probe recorded something. Processes that import torch but
         # never train (torchrun's launcher, spawned workers) never connect.
         self.active = False
+        # Completed steps of the first optimizer: the step number commands use.
+        self.step = 0
+        from torchpulse.probes.control import Control
+
+        self.control = Control(self)
         self._lock = threading.Lock()
 
     # -- hot path -----------------------------------------------------------
@@ -124,6 +129,11 @@ class Agent:
             if self._sender is None:
                 self._sender = Sender(self)
                 self._sender.start()
+
+    def wake_sender(self) -> None:
+        sender = self._sender
+        if sender is not None:
+            sender.wake()
 
     def flush(self, timeout: float = 2.0) -> bool:
         """Ask the sender to send everything now; True when it was delivered."""

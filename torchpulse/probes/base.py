@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -14,6 +15,12 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.probes")
 F = TypeVar("F", bound=Callable[..., Any])
+_depth = threading.local()
+
+
+def inside_hook() -> bool:
+    """True while this thread runs one of our hooks, i.e. while torch iterates a hook table."""
+    return getattr(_depth, "value", 0) > 0
 
 
 class Removable(Protocol):
@@ -45,21 +52,30 @@ class Probe:
         if self._handle is not None:
             log.warning("probe already installed; ignoring the second install", probe=self.name)
             return self._handle
-        self._install()
+        if not self._handles:
+            # Hooks left inert by an uninstall inside a hook are still registered.
+            self._install()
         self.enabled = True
         self._handle = ProbeHandle(self)
         self.agent.record(self._set_enabled_gauge, 1.0)
         return self._handle
 
     def uninstall(self) -> None:
+        """Disable at once; remove the hooks unless torch is iterating a hook table right now."""
         self.enabled = False
-        handles, self._handles = self._handles, []
-        for handle in reversed(handles):
-            handle.remove()
         if self._handle is not None:
             self._handle = None
             self._uninstalled()
             self.agent.record(self._set_enabled_gauge, 0.0)
+        if inside_hook():
+            # Removing a hook while torch loops over its hook dict raises
+            # "OrderedDict mutated during iteration" in the job. The hooks stay
+            # registered but inert until an uninstall outside any hook
+            # (detach, shutdown) or a re-install reuses them.
+            return
+        handles, self._handles = self._handles, []
+        for handle in reversed(handles):
+            handle.remove()
 
     def _install(self) -> None:
         raise NotImplementedError
@@ -96,11 +112,14 @@ class Probe:
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if not (self.enabled and agent.enabled):
                 return None
+            _depth.value = getattr(_depth, "value", 0) + 1
             try:
                 return hook(*args, **kwargs)
             except Exception as exc:  # probe bugs must never reach the job
                 self.fail(exc)
                 return None
+            finally:
+                _depth.value -= 1
 
         import torch
 

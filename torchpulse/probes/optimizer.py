@@ -10,8 +10,11 @@ state gains entries, and after `load_state_dict`.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 import weakref
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,14 +27,38 @@ if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
 
 Sizes = tuple[int, int, int]
+# Frames of these files sit between torch's step wrapper and our hook.
+_WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), str(Path(torch.__file__).resolve().parent / "_dynamo"))
+
+
+def _step_wrapper_frame() -> FrameType | None:
+    """The frame of torch's `optimizer.step` wrapper that called the current hook."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_WRAPPER_DIRS):
+        frame = frame.f_back
+    return frame
+
+
+def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "label", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "first", "frame", "label", "nested", "rescan", "started", "state_len", "steps")
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, first: bool) -> None:
         self.label = label
+        self.first = first
         self.started: float | None = None
+        # A subclass whose step() calls super().step() runs torch's hooked
+        # wrapper twice; the outer wrapper's frame tells nesting from a step
+        # that raised (whose post-hook never ran).
+        self.frame: FrameType | None = None
+        self.nested = 0
         self.steps = 0
         self.state_len = -1
         self.rescan = True
@@ -82,10 +109,14 @@ class OptimizerProbe(Probe):
         self._keep(register_optimizer_step_post_hook(self.guard(self._after_step)))
 
     def _uninstalled(self) -> None:
-        self._tracked = weakref.WeakKeyDictionary()
+        # Labels stay stable across disable/enable; a step in flight is forgotten.
+        for tracked in self._tracked.values():
+            tracked.started = tracked.frame = None
+            tracked.nested = 0
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
-        tracked = _Tracked(f"{type(optimizer).__name__}#{next(self._ids)}")
+        index = next(self._ids)
+        tracked = _Tracked(f"{type(optimizer).__name__}#{index}", index == 0)
         self._tracked[optimizer] = tracked
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
@@ -101,9 +132,15 @@ class OptimizerProbe(Probe):
 
     def _before_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
-        if tracked.started is not None:
+        frame = _step_wrapper_frame()
+        if tracked.started is not None and tracked.frame is not None:
+            if frame is not None and _on_stack(tracked.frame, frame.f_back):
+                tracked.nested += 1
+                return
             # The previous step raised: its post-hook never ran.
             self.agent.record(self._on_error, tracked.label)
+        tracked.nested = 0
+        tracked.frame = frame
         tracked.started = time.perf_counter()
 
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -111,8 +148,11 @@ class OptimizerProbe(Probe):
         tracked = self._tracked.get(optimizer)
         if tracked is None or tracked.started is None:
             return
+        if tracked.nested:
+            tracked.nested -= 1
+            return
         duration = end - tracked.started
-        tracked.started = None
+        tracked.started = tracked.frame = None
         tracked.steps += 1
         sizes: Sizes | None = None
         state_len = len(optimizer.state)
@@ -121,6 +161,12 @@ class OptimizerProbe(Probe):
             tracked.state_len = state_len
             sizes = measure(optimizer)
         self.agent.record(self._on_step, tracked.label, duration, learning_rates(optimizer.param_groups), sizes)
+        if tracked.first:
+            agent = self.agent
+            agent.step = tracked.steps
+            # Step boundary of the first optimizer: where daemon commands apply.
+            if agent.control.armed:
+                agent.control.safe_point()
 
     # -- sender thread -----------------------------------------------------
     def _on_step(self, label: str, duration: float, rates: tuple[float | None, ...], sizes: Sizes | None) -> None:

@@ -19,6 +19,7 @@ from torchpulse.framing import FrameReader
 from torchpulse.probes.logs import get_logger
 from torchpulse.protocol import (
     Batch,
+    Command,
     ErrorReply,
     FrameError,
     Goodbye,
@@ -71,6 +72,9 @@ class Sender(threading.Thread):
             self._wake.set()
             self._flushed.wait_for(lambda: self._completed_generation >= wanted, timeout)
             return self._completed_generation >= wanted and self._last_flush_ok
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def stop(self, timeout: float) -> None:
         self._stop_event.set()
@@ -209,6 +213,12 @@ class Sender(threading.Thread):
                 return False
         return True
 
+    def _send_results(self) -> None:
+        results = self.agent.control.results
+        while results and self._sock is not None:
+            if not self._send_frame(encode(results.popleft())):
+                return
+
     def _send_frame(self, frame: bytes) -> bool:
         assert self._sock is not None
         try:
@@ -231,6 +241,9 @@ class Sender(threading.Thread):
                     frame = decode_daemon_frame(body)
                     if isinstance(frame, ErrorReply):
                         log.warning("daemon reported an error", code=frame.code, message=frame.message)
+                    elif isinstance(frame, Command):
+                        self.agent.control.receive(frame)
+            self._send_results()
         except (OSError, FrameError) as exc:
             self._disconnect(exc)
             return False

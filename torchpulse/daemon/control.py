@@ -1,0 +1,129 @@
+"""`torchpulse ctl`: route a command to ranks of a run and gather their answers.
+
+Who may send: root, the daemon's own user, or members of `control_group`
+(checked with SO_PEERCRED and the peer's groups from /proc). Every command is
+logged with who sent it. A rank that does not answer within the timeout is
+reported as such; the others are not held back by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import itertools
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from torchpulse.daemon.registry import Peer, RankState, Registry
+from torchpulse.protocol import Command, CommandResult, CtlReply, CtlRequest, FieldValue, RankResult, encode
+
+log = structlog.get_logger("torchpulse.daemon.control")
+# How far ahead of the fastest rank a synchronised trace starts, in seconds of
+# its step rate: long enough for the command to reach every rank first.
+TRACE_LEAD_SECONDS = 2.0
+MIN_TRACE_LEAD_STEPS = 3
+
+
+class NotAuthorized(Exception):
+    pass
+
+
+def peer_groups(peer: Peer) -> set[int]:
+    """Primary and supplementary groups of the peer process."""
+    groups = {peer.gid}
+    try:
+        status = Path(f"/proc/{peer.pid}/status").read_text()
+    except OSError:
+        return groups
+    for line in status.splitlines():
+        if line.startswith("Groups:"):
+            groups.update(int(g) for g in line.split()[1:])
+    return groups
+
+
+def authorize(peer: Peer | None, control_group: str) -> None:
+    if peer is None:
+        raise NotAuthorized("cannot identify the caller (no SO_PEERCRED)")
+    if peer.uid in (0, os.geteuid()):
+        return
+    if control_group:
+        try:
+            gid = grp.getgrnam(control_group).gr_gid
+        except KeyError:
+            gid = None
+        if gid is not None and gid in peer_groups(peer):
+            return
+    allowed = "root, the daemon's user" + (f" or members of group {control_group!r}" if control_group else "")
+    raise NotAuthorized(f"uid {peer.uid} may not send commands (allowed: {allowed})")
+
+
+def current_step(state: RankState) -> int:
+    """Completed steps of the rank's first optimizer, as last reported."""
+    for (name, labels), value in state.values.items():
+        if name == "optimizer_steps_total" and labels and labels[0].endswith("#0"):
+            return int(value)
+    return 0
+
+
+class ControlHub:
+    def __init__(self, registry: Registry, control_group: Callable[[], str]) -> None:
+        self.registry = registry
+        self.control_group = control_group
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
+
+    def resolve(self, result: CommandResult) -> None:
+        future = self._waiting.pop(result.id, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
+        who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
+        authorize(peer, self.control_group())
+        log.info("command received", command=request.name, run=request.run, ranks=request.ranks,
+                 args=request.args, **who)
+        run = self.registry.runs.get(request.run)
+        if run is None:
+            return CtlReply(request.run, request.name, [])
+        wanted = sorted(run.ranks) if request.ranks is None else request.ranks
+        args = dict(request.args)
+        if request.name == "trace" and "start_step" not in args:
+            args["start_step"] = self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
+        results = await asyncio.gather(*(
+            self._one(run.ranks.get(rank), rank, request.name, args, request.timeout) for rank in wanted))
+        for result in results:
+            log.info("command result", command=request.name, run=request.run, rank=result.rank,
+                     status=result.status, message=result.message, **who)
+        return CtlReply(request.run, request.name, list(results))
+
+    @staticmethod
+    def _trace_start(states: list[RankState]) -> int:
+        """The same first step for every rank: past the fastest one by a couple of seconds of steps."""
+        ranks = [s for s in states if s.connected]
+        if not ranks:
+            return 1
+        lead = max(MIN_TRACE_LEAD_STEPS, max(math.ceil(s.step_rate * TRACE_LEAD_SECONDS) for s in ranks))
+        return max(current_step(s) for s in ranks) + lead
+
+    async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
+                   timeout: float) -> RankResult:
+        if state is None or not state.connected or state.channel is None:
+            return RankResult(rank, "not_connected", "rank is not connected", {})
+        command_id = next(self._ids)
+        future: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+        self._waiting[command_id] = future
+        try:
+            state.channel(encode(Command(command_id, name, args)))
+            result = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return RankResult(rank, "timeout", f"no answer within {timeout:g}s (the rank has not reached a "
+                              "step boundary, or is gone)", {})
+        except (ConnectionError, RuntimeError) as exc:
+            return RankResult(rank, "failed", f"could not send: {exc}", {})
+        finally:
+            self._waiting.pop(command_id, None)
+        return RankResult(rank, "ok" if result.ok else "failed", result.message, result.data)
