@@ -33,8 +33,10 @@ class NotAuthorized(Exception):
 
 
 def peer_groups(peer: Peer) -> set[int]:
-    """Primary and supplementary groups of the peer process."""
-    groups = {peer.gid}
+    """Primary and supplementary groups of the peer: from SO_PEERGROUPS, else /proc."""
+    groups = {peer.gid, *peer.groups}
+    if peer.groups:
+        return groups
     try:
         status = Path(f"/proc/{peer.pid}/status").read_text()
     except OSError:

@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from torchpulse.daemon import config as config_module
-from torchpulse.daemon import logs
+from torchpulse.daemon import logs, systemd
 from torchpulse.daemon.config import ConfigError
 from torchpulse.daemon.service import Daemon
 
@@ -31,7 +31,14 @@ def run_daemon(config_path: str | None, socket: str | None, listen: str | None, 
         return 2
     logs.configure(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("torchpulse.daemon")
-    daemon = Daemon(config, path)
+    # Socket activation: systemd holds the agent socket across daemon restarts.
+    passed = systemd.listen_fds_with_names()
+    inherited = next((sock for name, sock in passed if name == "agent"), None)
+    if inherited is None and len(passed) == 1:
+        inherited = passed[0][1]
+    if inherited is not None:
+        log.info("using the agent socket passed by systemd", path=str(inherited.getsockname()))
+    daemon = Daemon(config, path, inherited_socket=inherited)
     try:
         asyncio.run(daemon.run())
     except OSError as exc:

@@ -25,6 +25,7 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    groups: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -16,6 +16,7 @@ import structlog
 
 import torchpulse
 from torchpulse.daemon import config as config_module
+from torchpulse.daemon import systemd
 from torchpulse.daemon.config import Config, ConfigError, parse_listen
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Registry
@@ -27,6 +28,7 @@ from torchpulse.protocol import RankStatus, RunStatus, StatusReply
 
 log = structlog.get_logger("torchpulse.daemon")
 HOUSEKEEPING_INTERVAL = 1.0
+STATUS_INTERVAL = 15.0
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Daemon:
     inherited_socket: socket.socket | None = None
     registry: Registry = field(init=False)
     on_ready: list[Callable[[Daemon], None]] = field(default_factory=list)
+    # (checkpoint roots, roots whose latest checkpoint is not valid), for STATUS=.
+    checkpoint_summary: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
     def __post_init__(self) -> None:
         runs = self.config.runs
@@ -88,21 +92,35 @@ class Daemon:
                  metrics=f"http://{host}:{self.metrics.port}/metrics")
         for callback in self.on_ready:
             callback(self)
+        systemd.notify("READY=1\n" + self._status_line())
+        interval = systemd.watchdog_interval()
+        # Pinged from this loop: a hung loop misses the deadline and systemd restarts it.
+        watchdog = asyncio.create_task(systemd.watchdog_pinger(interval)) if interval else None
         try:
             await self._housekeeping()
         finally:
             log.info("daemon stopping")
+            if watchdog is not None:
+                watchdog.cancel()
             await self.agents.close()
             await self.metrics.close()
 
+    def _status_line(self) -> str:
+        runs, ranks = self.registry.counts()
+        roots, not_valid = self.checkpoint_summary()
+        return systemd.status_message(runs=runs, ranks=ranks, checkpoint_roots=roots,
+                                      checkpoints_not_valid=not_valid)
+
     def stop(self) -> None:
+        if not self._stopping.is_set():
+            systemd.notify("STOPPING=1")
         self._stopping.set()
 
     def _request_reload(self) -> None:
         self._reload_requested = True
 
     async def _housekeeping(self) -> None:
-        last_textfile = 0.0
+        last_textfile = last_status = 0.0
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
@@ -113,12 +131,22 @@ class Daemon:
                 self.reload()
             textfile = self.config.daemon.textfile
             now = time.monotonic()
+            if now - last_status >= STATUS_INTERVAL:
+                last_status = now
+                systemd.notify(self._status_line())
             if textfile and now - last_textfile >= self.config.daemon.textfile_interval_seconds:
                 last_textfile = now
                 self._write_textfile(Path(textfile))
 
     def reload(self) -> None:
         """SIGHUP: re-read the config file; keep running on the old one if it is bad."""
+        systemd.notify(systemd.reloading_message())
+        try:
+            self._reload()
+        finally:
+            systemd.notify("READY=1\n" + self._status_line())
+
+    def _reload(self) -> None:
         try:
             new = config_module.load(self.config_path)
         except ConfigError as exc:
