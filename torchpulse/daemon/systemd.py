@@ -37,15 +37,17 @@ def notify(state: str) -> bool:
     ``state`` holds newline-separated ``KEY=VALUE`` assignments. The socket is
     ``$NOTIFY_SOCKET``: a filesystem path, or an abstract name written with a
     leading ``@``. Send errors are reported as False, never raised: a lost
-    status line must not take the daemon down.
+    status line must not take the daemon down. The send never blocks either:
+    it runs on the event loop, and a full receive queue in PID 1 must not stall
+    the loop (a dropped ping is retried on the next interval).
     """
     address = _notify_address(os.environ.get("NOTIFY_SOCKET", ""))
     if address is None:
         return False
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as sock:
             sock.sendto(state.encode("utf-8"), address)
-    except OSError:
+    except OSError:  # BlockingIOError included: the receiver's queue is full
         return False
     return True
 
@@ -60,9 +62,7 @@ def _notify_address(raw: str) -> str | bytes | None:
     return None
 
 
-def status_message(
-    *, runs: int, ranks: int, checkpoint_roots: int, checkpoints_not_valid: int
-) -> str:
+def status_message(*, runs: int, ranks: int, checkpoint_roots: int, checkpoints_not_valid: int) -> str:
     """Build the one-line ``STATUS=`` shown by ``systemctl status torchpulse``."""
     return (
         f"STATUS={runs} runs, {ranks} ranks connected; "
