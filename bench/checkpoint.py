@@ -72,15 +72,19 @@ def best_of(n: int, fn: Any) -> float:
 
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from torchpulse.checkpoints.model import Level
 from torchpulse.checkpoints.validate import validate
 import torch  # imported before the baseline so RSS growth is the validator's own
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def hwm():  # VmHWM resets at exec; ru_maxrss would inherit the parent's peak
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+base = hwm()
 started = time.perf_counter()
 result = validate(sys.argv[1], Level.DATA)
 took = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = hwm()
 print(json.dumps({"seconds": took, "status": result.status.value,
                   "base_kib": base, "peak_kib": peak, "bytes": result.stats.get("bytes_read")}))
 """

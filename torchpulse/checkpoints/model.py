@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
-class Severity(str, enum.Enum):
+class Severity(enum.Enum):
     ERROR = "error"
     WARNING = "warning"
     INFO = "info"
 
 
-class Status(str, enum.Enum):
+class Status(enum.Enum):
     VALID = "valid"
     INVALID = "invalid"
     INCOMPLETE = "incomplete"
@@ -27,7 +27,7 @@ class Status(str, enum.Enum):
     ERROR = "error"
 
 
-class Level(str, enum.Enum):
+class Level(enum.Enum):
     METADATA = "metadata"
     DATA = "data"
     LOAD = "load"
@@ -83,7 +83,7 @@ class FileInfo:
     mtime_ns: int
 
 
-class Format(str, enum.Enum):
+class Format(enum.Enum):
     TORCH_SAVE = "torch_save"
     # Hugging Face layout written by HuggingFaceStorageWriter: JSON headers, no pickle.
     SAFETENSORS = "safetensors"

@@ -1,0 +1,58 @@
+"""Shared, session-scoped real checkpoints (written once, copied by tests that mutate)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SAVE_SCRIPT = Path(__file__).with_name("ckpt_save.py")
+
+
+def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0) -> list[int]:
+    """Start `world` real processes that save together over gloo; return their exit codes."""
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / f".store-{kind}-{world}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SAVE_SCRIPT), kind, str(out), str(r), str(world), str(store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r in range(world)
+    ]
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    store.unlink(missing_ok=True)
+    return codes
+
+
+@pytest.fixture(scope="session")
+def single_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Single-process checkpoints: nested, flat, model-only, zstd, safetensors."""
+    root = tmp_path_factory.mktemp("single")
+    subprocess.run([sys.executable, str(SAVE_SCRIPT), "all_single", str(root)], check=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dist2_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2-rank FSDP2, 2-rank DDP and 2-rank per-rank-metadata checkpoints."""
+    root = tmp_path_factory.mktemp("dist2")
+    assert [0, 0] == run_ranks("fsdp", root, 2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dist4_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-rank FSDP2 checkpoint: the 5-row layer shards 2, 2, 1, 0 (a zero-size chunk)."""
+    root = tmp_path_factory.mktemp("dist4")
+    assert [0, 0, 0, 0] == run_ranks("fsdp_only", root, 4)
+    return root

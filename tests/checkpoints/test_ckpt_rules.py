@@ -1,0 +1,227 @@
+"""Rules as pure functions over hand-built inputs: no disk, no torch."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchpulse.checkpoints.model import (
+    Checkpoint,
+    Chunk,
+    FileInfo,
+    Finding,
+    Format,
+    Severity,
+    Status,
+    StorageEntry,
+    StoredBytes,
+    StoredTensor,
+    TensorEntry,
+)
+from torchpulse.checkpoints.rules import commit, optimizer, tiling
+from torchpulse.checkpoints.validate import metadata_findings, status_of
+
+
+def tensor(key: str, size: tuple[int, ...], *chunks: Chunk, dtype: str = "float32") -> TensorEntry:
+    return TensorEntry(key, dtype, size, chunks or (Chunk((0,) * len(size), size),))
+
+
+def checkpoint(
+    tensors: list[TensorEntry],
+    storage: list[StorageEntry] | None = None,
+    files: dict[str, FileInfo] | None = None,
+    bytes_keys: frozenset[str] = frozenset(),
+    metadata_mtime: int = 100,
+) -> Checkpoint:
+    if storage is None:
+        storage, at = [], 0
+        for t in tensors:
+            for c in t.chunks:
+                storage.append(StorageEntry(t.key, c.offsets, "__0_0.distcp", at, 10))
+                at += 10
+        for k in sorted(bytes_keys):
+            storage.append(StorageEntry(k, None, "__0_0.distcp", at, 10))
+            at += 10
+    if files is None:
+        end = max((s.offset + s.length for s in storage), default=0)
+        files = {"__0_0.distcp": FileInfo("__0_0.distcp", end, 50)}
+    return Checkpoint(
+        path="/ckpt",
+        format=Format.TORCH_SAVE,
+        metadata_files=(FileInfo(".metadata", 1, metadata_mtime),),
+        version="1.0.0",
+        tensors={t.key: t for t in tensors},
+        bytes_keys=bytes_keys,
+        storage=tuple(storage),
+        key_paths={},
+        files=files,
+    )
+
+
+def rules(findings: list[Finding]) -> list[str]:
+    return sorted(f.rule for f in findings)
+
+
+def test_row_sharded_tensor_tiles_exactly() -> None:
+    """Two row shards covering a 4x2 tensor are a valid tiling."""
+    t = tensor("w", (4, 2), Chunk((0, 0), (2, 2)), Chunk((2, 0), (2, 2)))
+    assert [] == tiling.exact_tiling(t)
+
+
+def test_zero_size_chunk_at_dim_end_is_legal() -> None:
+    """Uneven FSDP2 writes an empty chunk at offset == dim; that is not an error."""
+    t = tensor("w", (5, 2), Chunk((0, 0), (3, 2)), Chunk((3, 0), (2, 2)), Chunk((5, 0), (0, 2)))
+    assert [] == tiling.exact_tiling(t)
+
+
+def test_gap_is_reported() -> None:
+    """A missing shard leaves elements unwritten."""
+    t = tensor("w", (4, 2), Chunk((0, 0), (2, 2)))
+    assert ["TP-CKPT-010"] == rules(tiling.exact_tiling(t))
+
+
+def test_overlap_of_equal_volume_is_reported() -> None:
+    """Volume equals numel, yet two chunks overlap: a gap hides elsewhere."""
+    t = tensor("w", (4, 2), Chunk((0, 0), (2, 2)), Chunk((1, 0), (2, 2)))
+    assert ["TP-CKPT-010", "TP-CKPT-010"] == rules(tiling.exact_tiling(t))
+
+
+def test_out_of_bounds_chunk_is_reported() -> None:
+    """A chunk reaching past the tensor's shape is an error."""
+    t = tensor("w", (4,), Chunk((0,), (2,)), Chunk((2,), (3,)))
+    assert ["TP-CKPT-010"] == rules(tiling.exact_tiling(t))
+
+
+def test_grid_tiling_with_two_sharded_dims() -> None:
+    """A 2x2 grid of chunks (FSDP x TP) tiles a 4x4 tensor."""
+    grid = [Chunk((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)]
+    assert [] == tiling.exact_tiling(tensor("w", (4, 4), *grid))
+
+
+def test_moe_layout_is_fast() -> None:
+    """4,096 expert chunks of one tensor are checked in well under a second."""
+    chunks = [Chunk((i * 2, 0), (2, 16)) for i in range(4096)]
+    started = time.perf_counter()
+    findings = tiling.exact_tiling(tensor("experts", (8192, 16), *chunks))
+    assert ([], True) == (findings, time.perf_counter() - started < 1.0)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=30), st.data())
+def test_random_partitions_tile_and_dropping_one_breaks_it(widths: list[int], data: st.DataObject) -> None:
+    """Any partition of a 1-D range tiles it; without one piece it does not."""
+    chunks, at = [], 0
+    for w in widths:
+        chunks.append(Chunk((at,), (w,)))
+        at += w
+    assert [] == tiling.exact_tiling(tensor("w", (at,), *chunks))
+    drop = data.draw(st.integers(min_value=0, max_value=len(chunks) - 1))
+    rest = chunks[:drop] + chunks[drop + 1 :]
+    if rest:
+        assert ["TP-CKPT-010"] == rules(tiling.exact_tiling(tensor("w", (at,), *rest)))
+
+
+def test_commit_state_without_metadata_is_incomplete() -> None:
+    """Data files but no .metadata: the save has not committed."""
+    files = {"__0_0.distcp": FileInfo("__0_0.distcp", 10, 1)}
+    findings = commit.commit_state(files)
+    assert (["TP-CKPT-001"], Status.INCOMPLETE) == (rules(findings), status_of(findings))
+
+
+def test_commit_state_only_tmp() -> None:
+    """Only .metadata.tmp: the save crashed while committing."""
+    files = {".metadata.tmp": FileInfo(".metadata.tmp", 10, 1)}
+    assert ["TP-CKPT-002"] == rules(commit.commit_state(files))
+
+
+def test_newer_tmp_beside_metadata_is_an_error() -> None:
+    """A fresher .metadata.tmp than .metadata means an overwrite crashed mid-commit."""
+    files = {
+        ".metadata": FileInfo(".metadata", 10, 1),
+        ".metadata.tmp": FileInfo(".metadata.tmp", 10, 2),
+    }
+    assert [Severity.ERROR] == [f.severity for f in commit.commit_state(files)]
+
+
+def test_stale_metadata() -> None:
+    """A data file newer than .metadata is reported."""
+    ckpt = checkpoint([tensor("w", (2,))], metadata_mtime=10)
+    assert ["TP-CKPT-004"] == rules(commit.stale_metadata(ckpt))
+
+
+def test_items_past_eof_and_overlapping() -> None:
+    """Items must lie inside their file and must not share bytes."""
+    storage = [
+        StorageEntry("a", (0,), "f", 0, 10),
+        StorageEntry("b", (0,), "f", 5, 10),
+        StorageEntry("c", (0,), "f", 15, 10),
+    ]
+    ckpt = checkpoint(
+        [tensor("a", (1,)), tensor("b", (1,)), tensor("c", (1,))],
+        storage,
+        {"f": FileInfo("f", 20, 50)},
+    )
+    expected = (["TP-CKPT-006"], ["TP-CKPT-007"])
+    assert expected == (rules(commit.items_past_eof(ckpt)), rules(commit.overlapping_items(ckpt)))
+
+
+def test_chunk_without_storage_entry() -> None:
+    """A chunk whose bytes are not indexed anywhere is reported."""
+    t = tensor("w", (4,), Chunk((0,), (2,)), Chunk((2,), (2,)))
+    ckpt = checkpoint([t], [StorageEntry("w", (0,), "__0_0.distcp", 0, 10)])
+    assert ["TP-CKPT-009"] == rules(commit.chunks_without_storage(ckpt))
+
+
+def optim_checkpoint(exp_avg_shape: tuple[int, ...] = (4, 2), with_bias_exp_avg: bool = True) -> Checkpoint:
+    tensors = [
+        tensor("model.w", (4, 2)),
+        tensor("model.b", (4,)),
+        tensor("optim.state.w.step", ()),
+        tensor("optim.state.w.exp_avg", exp_avg_shape),
+        tensor("optim.state.b.step", ()),
+    ]
+    if with_bias_exp_avg:
+        tensors.append(tensor("optim.state.b.exp_avg", (4,)))
+    return checkpoint(tensors, bytes_keys=frozenset({"optim.param_groups.0.params"}))
+
+
+def test_layout_without_planner_data() -> None:
+    """Keys alone are enough to find optimizer state, params lists and parameters."""
+    layout = optimizer.parse_layout(optim_checkpoint())
+    expected = ({"optim"}, {"optim.param_groups.0.params": "optim"}, {"w": "model.w", "b": "model.b"})
+    assert expected == (layout.optimizers, dict(layout.params_lists), dict(layout.params))
+
+
+def test_state_shape_and_presence() -> None:
+    """A state tensor of the wrong shape and a parameter missing a state entry are errors."""
+    ckpt = optim_checkpoint(exp_avg_shape=(2, 4), with_bias_exp_avg=False)
+    layout = optimizer.parse_layout(ckpt)
+    found = rules(optimizer.state_shapes(ckpt, layout) + optimizer.state_presence(layout))
+    assert ["TP-CKPT-013", "TP-CKPT-014"] == found
+
+
+def test_params_list_missing_and_duplicated() -> None:
+    """Every stateful parameter appears exactly once across the params lists."""
+    layout = optimizer.parse_layout(optim_checkpoint())
+    item = StoredBytes("optim.param_groups.0.params", True, ["w", "w"])
+    found = optimizer.params_lists(layout, {item.key: item})
+    assert ["b has state but", "w listed 2 time"] == sorted(f.message[:15] for f in found)
+
+
+def test_step_values_and_state_values() -> None:
+    """Different steps, NaN and negative second moments are each reported once."""
+    layout = optimizer.parse_layout(optim_checkpoint())
+    stored = [
+        StoredTensor("optim.state.w.step", (), "float32", (), scalar=3.0),
+        StoredTensor("optim.state.b.step", (), "float32", (), scalar=4.0),
+        StoredTensor("optim.state.w.exp_avg", (0, 0), "float32", (4, 2), nonfinite=2),
+    ]
+    found = optimizer.step_consistency(layout, stored, {}) + optimizer.state_values(layout, stored)
+    assert ["TP-CKPT-016", "TP-CKPT-021"] == rules(found)
+
+
+def test_no_optimizer_state_is_an_info_finding() -> None:
+    """A model-only checkpoint says so instead of passing silently."""
+    findings = metadata_findings(checkpoint([tensor("model.w", (2,))]))
+    assert (["TP-CKPT-017"], Status.VALID) == (rules(findings), status_of(findings))

@@ -1,0 +1,274 @@
+"""Directory -> `Checkpoint`: reads only metadata files and `stat`, never tensor bytes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchpulse.checkpoints.model import (
+    Checkpoint,
+    Chunk,
+    FileInfo,
+    Format,
+    StorageEntry,
+    TensorEntry,
+)
+from torchpulse.checkpoints.unpickler import (
+    DEFAULT_METADATA_SIZE_CAP,
+    BytesStorageMetadataStandIn,
+    MetadataStandIn,
+    TensorStorageMetadataStandIn,
+    load_metadata,
+)
+
+METADATA_NAME = ".metadata"
+HF_INDEX_NAME = "model.safetensors.index.json"
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+DATA_SUFFIXES = (".distcp", ".safetensors")
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """Every regular file in the checkpoint directory, by name."""
+
+    path: str
+    files: Mapping[str, FileInfo]
+
+    def data_files(self) -> list[str]:
+        return sorted(n for n in self.files if n.endswith(DATA_SUFFIXES))
+
+    def rank_metadata(self) -> list[str]:
+        return sorted(
+            (n for n in self.files if _RANK_METADATA.match(n)),
+            key=lambda n: int(_RANK_METADATA.match(n).group(1)),  # type: ignore[union-attr]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    listing: Listing
+    checkpoint: Checkpoint | None
+    # Why `checkpoint` is None although a metadata file exists (refused, corrupt).
+    metadata_error: str | None = None
+    # Rank metadata files that could not be read, with the reason.
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+def list_directory(path: str | os.PathLike[str]) -> Listing:
+    """Stat every regular file directly in `path` (OSError propagates: exit status 2)."""
+    files: dict[str, FileInfo] = {}
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                files[entry.name] = FileInfo(entry.name, st.st_size, st.st_mtime_ns)
+    return Listing(str(path), files)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    # Millions of small objects trigger repeated full collections while unpickling;
+    # nothing here forms cycles, so pausing the collector is safe and 3x faster.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
+    """Read and safely unpickle one metadata file; raise ValueError if over `size_cap`."""
+    with open(path, "rb") as f:
+        data = f.read(size_cap + 1)
+    if len(data) > size_cap:
+        raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
+    with gc_paused():
+        return load_metadata(data)
+
+
+def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> ReadOutcome:
+    """Parse the checkpoint's metadata (DCP pickle or Hugging Face JSON) plus `stat`."""
+    listing = list_directory(path)
+    if METADATA_NAME in listing.files:
+        names = [METADATA_NAME]
+    elif listing.rank_metadata():
+        names = listing.rank_metadata()
+    elif HF_INDEX_NAME in listing.files or any(n.endswith(".safetensors") for n in listing.files):
+        return _read_safetensors(listing)
+    else:
+        return ReadOutcome(listing, None)
+    parsed: list[MetadataStandIn] = []
+    errors: dict[str, str] = {}
+    for name in names:
+        try:
+            parsed.append(read_metadata_file(Path(path) / name, size_cap))
+        except (MemoryError, OSError):
+            raise  # the validator failed, not the checkpoint: "cannot tell"
+        except Exception as exc:  # any parse failure is a finding, never a crash
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    if errors:
+        return ReadOutcome(listing, None, "; ".join(f"{n}: {e}" for n, e in errors.items()), errors)
+    checkpoint = _from_standins(listing, [listing.files[n] for n in names], parsed)
+    return ReadOutcome(listing, checkpoint)
+
+
+_new = tuple.__new__
+
+
+def _tuple(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+def _from_standins(listing: Listing, metadata_files: list[FileInfo], parsed: list[MetadataStandIn]) -> Checkpoint:
+    tensors: dict[str, TensorEntry] = {}
+    bytes_keys: set[str] = set()
+    storage: list[StorageEntry] = []
+    key_paths: dict[str, tuple[str, ...]] = {}
+    versions = {md.get("version") for md in parsed}
+    for md in parsed:
+        for key, item in (md.get("state_dict_metadata") or {}).items():
+            if isinstance(item, TensorStorageMetadataStandIn):
+                # tuple.__new__ skips NamedTuple's Python-level __new__: 1M chunks, 0.5 s less.
+                chunks = tuple(_new(Chunk, (tuple(c["offsets"]), tuple(c["sizes"]))) for c in item["chunks"])
+                previous = tensors.get(key)
+                if previous is not None:
+                    # Per-rank metadata (use_collectives=False) lists each rank's chunks;
+                    # replicated items (steps, unsharded params) appear once per rank.
+                    seen = set(previous.chunks)
+                    chunks = previous.chunks + tuple(c for c in chunks if c not in seen)
+                tensors[key] = TensorEntry(key, str(item["properties"].get("dtype")), _tuple(item["size"]), chunks)
+            elif isinstance(item, BytesStorageMetadataStandIn):
+                bytes_keys.add(key)
+            else:
+                raise ValueError(f"unexpected metadata entry {type(item).__name__} for {key}")
+        storage_data = md.get("storage_data") or {}
+        if not isinstance(storage_data, dict):
+            raise ValueError("storage_data is not a mapping")
+        for index, info in storage_data.items():
+            offset = index.get("offset")
+            transforms = info.get("transform_descriptors") or ()
+            storage.append(
+                _new(
+                    StorageEntry,
+                    (
+                        str(index["fqn"]),
+                        None if offset is None else tuple(offset),
+                        str(info["relative_path"]),
+                        int(info["offset"]),
+                        int(info["length"]),
+                        tuple(str(t) for t in transforms),
+                    ),
+                )
+            )
+        planner_data = md.get("planner_data")
+        if isinstance(planner_data, dict):
+            for key, key_path in planner_data.items():
+                if isinstance(key_path, tuple | list):
+                    key_paths[str(key)] = tuple(str(p) for p in key_path)
+    temp = {n: f for n, f in listing.files.items() if n.endswith(".tmp")}
+    data = {n: f for n, f in listing.files.items() if n.endswith(DATA_SUFFIXES)}
+    version = versions.pop() if len(versions) == 1 else ",".join(sorted(map(str, versions)))
+    return Checkpoint(
+        path=listing.path,
+        format=Format.TORCH_SAVE,
+        metadata_files=tuple(metadata_files),
+        version=None if version is None else str(version),
+        tensors=tensors,
+        bytes_keys=frozenset(bytes_keys),
+        storage=tuple(storage),
+        key_paths=key_paths,
+        files=data,
+        temp_files=temp,
+    )
+
+
+# --- Hugging Face safetensors layout (HuggingFaceStorageWriter) -------------------------
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+_HEADER_CAP = 100 << 20
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """Return the JSON header of a safetensors file and where its data starts."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("file shorter than the safetensors header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > _HEADER_CAP:
+            raise ValueError(f"header length {n} is implausible")
+        raw = f.read(n)
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + n
+
+
+def _read_safetensors(listing: Listing) -> ReadOutcome:
+    tensors: dict[str, TensorEntry] = {}
+    storage: list[StorageEntry] = []
+    errors: dict[str, str] = {}
+    names = sorted(n for n in listing.files if n.endswith(".safetensors"))
+    for name in names:
+        try:
+            header, data_start = read_safetensors_header(Path(listing.path) / name)
+            extra = header.pop("__metadata__", None) or {}
+            sharding = json.loads(extra.get("DCP_SHARDING_INFO", "{}"))
+            for key, info in header.items():
+                shape = _tuple(info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+                offsets = _tuple(sharding.get(key, {}).get("saved_offsets", [0] * len(shape)))
+                chunk = Chunk(offsets, shape)
+                size = tuple(o + s for o, s in zip(offsets, shape, strict=True))
+                dtype = _SAFETENSORS_DTYPES.get(str(info["dtype"]), str(info["dtype"]))
+                previous = tensors.get(key)
+                if previous is not None:
+                    size = tuple(max(a, b) for a, b in zip(size, previous.size, strict=True))
+                    chunks = (*previous.chunks, chunk)
+                else:
+                    chunks = (chunk,)
+                tensors[key] = TensorEntry(key, dtype, size, chunks)
+                storage.append(StorageEntry(key, offsets, name, data_start + begin, end - begin))
+        except (MemoryError, OSError):
+            raise
+        except Exception as exc:  # a broken header is a finding, never a crash
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    if errors:
+        return ReadOutcome(listing, None, "; ".join(f"{n}: {e}" for n, e in errors.items()), errors)
+    index_info = listing.files.get(HF_INDEX_NAME)
+    checkpoint = Checkpoint(
+        path=listing.path,
+        format=Format.SAFETENSORS,
+        metadata_files=(index_info,) if index_info else (),
+        version="safetensors",
+        tensors=tensors,
+        bytes_keys=frozenset(),
+        storage=tuple(storage),
+        key_paths={},
+        files={n: listing.files[n] for n in names},
+        temp_files={n: f for n, f in listing.files.items() if n.endswith(".tmp")},
+    )
+    return ReadOutcome(listing, checkpoint)

@@ -1,0 +1,169 @@
+"""Rules that need only the metadata and `stat`: commit state and file layout."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+from torchpulse.checkpoints.model import Checkpoint, FileInfo, Finding
+from torchpulse.checkpoints.rules import error, warning
+
+KNOWN_VERSIONS = frozenset({None, "1.0.0", "safetensors"})
+_DATA_SUFFIXES = (".distcp", ".safetensors")
+
+
+def commit_state(files: Mapping[str, FileInfo]) -> list[Finding]:
+    """TP-CKPT-001/002/003: is there a committed `.metadata`, and is a commit half done?"""
+    has_metadata = ".metadata" in files or any(n.startswith("__") and n.endswith(".metadata") for n in files)
+    has_hf = any(n.endswith(".safetensors") for n in files)
+    tmp = sorted(n for n in files if n.endswith(".metadata.tmp"))
+    if not has_metadata and not has_hf:
+        if tmp:
+            return [
+                error(
+                    "TP-CKPT-002",
+                    tmp[0],
+                    "only the temporary metadata exists: the save crashed between writing it and renaming it",
+                )
+            ]
+        data = sum(1 for n in files if n.endswith(_DATA_SUFFIXES))
+        return [
+            error(
+                "TP-CKPT-001",
+                ".metadata",
+                f"no .metadata yet ({data} data files present): not committed",
+            )
+        ]
+    findings: list[Finding] = []
+    committed = files.get(".metadata")
+    for name in tmp:
+        if committed is not None and files[name].mtime_ns >= committed.mtime_ns:
+            findings.append(
+                error(
+                    "TP-CKPT-003",
+                    name,
+                    "a newer temporary metadata sits beside .metadata: an overwrite in place crashed while committing",
+                )
+            )
+        else:
+            findings.append(warning("TP-CKPT-003", name, "stale temporary metadata left beside .metadata"))
+    return findings
+
+
+def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-004: a file the metadata references changed after the metadata was written."""
+    committed_at = ckpt.metadata_mtime_ns
+    referenced = {s.relative_path for s in ckpt.storage}
+    return [
+        error(
+            "TP-CKPT-004",
+            name,
+            "modified after the metadata: the checkpoint was "
+            "overwritten in place and the metadata describes the old contents",
+        )
+        for name in sorted(referenced)
+        if name in ckpt.files and ckpt.files[name].mtime_ns > committed_at
+    ]
+
+
+def missing_files(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-005: every file the storage entries name exists."""
+    counts: dict[str, int] = defaultdict(int)
+    for s in ckpt.storage:
+        if s.relative_path not in ckpt.files:
+            counts[s.relative_path] += 1
+    return [error("TP-CKPT-005", name, f"referenced by {n} items but missing") for name, n in sorted(counts.items())]
+
+
+def items_past_eof(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-006: every item lies inside its file."""
+    out: list[Finding] = []
+    for s in ckpt.storage:
+        f = ckpt.files.get(s.relative_path)
+        if f is not None and (s.offset < 0 or s.length < 0 or s.offset + s.length > f.size):
+            out.append(
+                error(
+                    "TP-CKPT-006",
+                    s.key,
+                    f"bytes [{s.offset}, {s.offset + s.length}) of {s.relative_path} but the file has {f.size} bytes",
+                )
+            )
+    return out
+
+
+def overlapping_items(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-007: no two items share bytes of one file (sort by offset, O(n log n))."""
+    by_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for s in ckpt.storage:
+        if s.length > 0:
+            by_file[s.relative_path].append((s.offset, s.offset + s.length, s.key))
+    out: list[Finding] = []
+    for name, spans in sorted(by_file.items()):
+        spans.sort()
+        reach_end, reach_key = -1, ""
+        for start, end, key in spans:
+            if start < reach_end:
+                out.append(error("TP-CKPT-007", key, f"bytes [{start}, {end}) of {name} overlap {reach_key}"))
+            if end > reach_end:
+                reach_end, reach_key = end, key
+    return out
+
+
+def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-008: a data file no item points at is debris, often from an older save."""
+    referenced = {s.relative_path for s in ckpt.storage}
+    return [
+        warning("TP-CKPT-008", name, "data file not referenced by the metadata")
+        for name in sorted(ckpt.files)
+        if name not in referenced
+    ]
+
+
+def chunks_without_storage(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-009: each chunk and bytes item has exactly one storage entry, and vice versa."""
+    entries: dict[tuple[str, tuple[int, ...] | None], int] = defaultdict(int)
+    for s in ckpt.storage:
+        entries[(s.key, s.chunk_offsets)] += 1
+    out: list[Finding] = []
+    expected: set[tuple[str, tuple[int, ...] | None]] = set()
+    for t in ckpt.tensors.values():
+        for c in t.chunks:
+            expected.add((t.key, c.offsets))
+            if (t.key, c.offsets) not in entries:
+                out.append(
+                    error(
+                        "TP-CKPT-009",
+                        t.key,
+                        f"chunk at {list(c.offsets)} has no storage entry: its bytes cannot be found",
+                    )
+                )
+    for key in sorted(ckpt.bytes_keys):
+        expected.add((key, None))
+        if (key, None) not in entries:
+            out.append(error("TP-CKPT-009", key, "bytes item has no storage entry"))
+    for (key, offsets), n in sorted(entries.items(), key=lambda kv: kv[0][0]):
+        where = "" if offsets is None else f" at {list(offsets)}"
+        if (key, offsets) not in expected:
+            out.append(error("TP-CKPT-009", key, f"storage entry{where} matches no chunk"))
+        elif n > 1 and len(ckpt.metadata_files) == 1:
+            # With per-rank metadata every rank stores its own copy of replicated items.
+            out.append(error("TP-CKPT-009", key, f"{n} storage entries for one chunk{where}"))
+    return out
+
+
+def unknown_version(ckpt: Checkpoint) -> list[Finding]:
+    """TP-CKPT-011: a metadata version this validator was not written against."""
+    if ckpt.version in KNOWN_VERSIONS:
+        return []
+    return [
+        warning(
+            "TP-CKPT-011",
+            ".metadata",
+            f"metadata version {ckpt.version!r} is not one of those this validator knows; rules may miss problems",
+        )
+    ]
+
+
+def metadata_unreadable(name: str, reason: str) -> list[Finding]:
+    """TP-CKPT-012: the metadata was refused by the allow-list or could not be parsed."""
+    return [error("TP-CKPT-012", name, f"metadata not read ({reason}); nothing in it was executed")]
