@@ -1,0 +1,200 @@
+"""Compile probe: compiled frames, recompiles by reason, graph breaks, recompile-limit hits, compile time.
+
+Everything comes from what torch already produces for its own telemetry: the
+CompilationMetrics record Dynamo logs after every frame and lazy backward
+compile, and the `graph_breaks` artifact log. Both are read through log taps
+(`compile_logtap`) that leave what the job prints untouched. The taps only
+copy a few fields and queue a record; classification happens on the agent's
+thread. Steady-state steps never reach this code: it runs only when torch
+compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from torchpulse.probes import torch_features as tf
+from torchpulse.probes.base import Probe
+from torchpulse.probes.compile_logtap import LogTap
+from torchpulse.probes.compile_reasons import (
+    classify_recompile,
+    function_label,
+    is_recompile_limit,
+    parse_graph_break,
+    short_path,
+)
+from torchpulse.probes.logs import get_logger
+from torchpulse.probes.store import BoundedLabel
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+log = get_logger("torchpulse.probes")
+DEFAULT_TOP_K = 20
+# Graph-break types come from Dynamo's registry (a few hundred); bound anyway.
+KIND_LIMIT = 50
+# Frame ids are per code object; forget them all if a job churns through code.
+MAX_FRAMES = 4096
+
+
+class Compilation(NamedTuple):
+    """The fields of one CompilationMetrics object that the probe uses."""
+
+    compile_id: str
+    co_name: str | None
+    co_filename: str | None
+    co_firstlineno: int | None
+    is_forward: bool | None
+    recompile_reason: str | None
+    fail_type: str | None
+    fail_reason: str | None
+    dynamo_us: int | None
+    aot_autograd_us: int | None
+    inductor_us: int | None
+    backward_us: int | None
+
+    @classmethod
+    def of(cls, m: Any) -> Compilation:
+        return cls(
+            str(m.compile_id or "?"), m.co_name, m.co_filename, m.co_firstlineno, m.is_forward,
+            m.recompile_reason, m.fail_type, m.fail_reason,
+            getattr(m, "dynamo_cumulative_compile_time_us", None),
+            getattr(m, "aot_autograd_cumulative_compile_time_us", None),
+            getattr(m, "inductor_cumulative_compile_time_us", None),
+            getattr(m, "backward_cumulative_compile_time_us", None),
+        )
+
+
+def phase_seconds(c: Compilation) -> list[tuple[str, float]]:
+    """Exclusive time per phase: the cumulative timers nest (dynamo ⊃ aot autograd ⊃ inductor)."""
+    phases: list[tuple[str, float]] = []
+    if c.is_forward is False:
+        if c.backward_us is not None:
+            phases.append(("aot_autograd_backward", max(0, c.backward_us - (c.inductor_us or 0)) / 1e6))
+        if c.inductor_us is not None:
+            phases.append(("inductor_backward", c.inductor_us / 1e6))
+        return phases
+    inner = c.aot_autograd_us if c.aot_autograd_us is not None else c.inductor_us
+    if c.dynamo_us is not None:
+        phases.append(("dynamo", max(0, c.dynamo_us - (inner or 0)) / 1e6))
+    if c.aot_autograd_us is not None:
+        phases.append(("aot_autograd", max(0, c.aot_autograd_us - (c.inductor_us or 0)) / 1e6))
+    if c.inductor_us is not None:
+        phases.append(("inductor", c.inductor_us / 1e6))
+    return phases
+
+
+class _StartCallback:
+    """A compile-start callback that `torch._dynamo.reset()` may clear; re-added when missing."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def ensure(self) -> None:
+        handler = tf.callback_handler()
+        if self.callback not in handler.start_callbacks:
+            handler.register_start_callback(self.callback)
+
+    def remove(self) -> None:
+        # ValueError: already cleared by torch._dynamo.reset().
+        with contextlib.suppress(ValueError):
+            tf.callback_handler().remove_start_callback(self.callback)
+
+
+class CompileProbe(Probe):
+    name = "compile"
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        top_k = int(agent.config.options.get("compile_top_k", DEFAULT_TOP_K))
+        self._top_k = top_k
+        self._taps: list[LogTap] = []
+        self._start: _StartCallback | None = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._functions = BoundedLabel(self._top_k)
+        self._locations = BoundedLabel(self._top_k)
+        self._kinds = BoundedLabel(KIND_LIMIT)
+        self._frames: dict[str, str] = {}
+
+    def _install(self) -> None:
+        for feature in tf.missing("compilation_metrics_log", "compile_callbacks"):
+            log.warning("compile probe runs without a torch feature", feature=feature.name, reason=feature.reason)
+        if tf.has("compilation_metrics_log"):
+            if not tf.metrics_logging_enabled():
+                log.warning("torch._dynamo.config.log_compilation_metrics is off; compile metrics stay empty")
+            self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
+        self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
+        if tf.has("compile_callbacks"):
+            self._start = _StartCallback(self.guard(self._on_compile_start))
+            self._start.ensure()
+            self._keep(self._start)
+
+    def _tap(self, logger_name: str, level: int, sink: Any) -> None:
+        tap = LogTap(logger_name, level, self.guard(sink))
+        self._taps.append(tap)
+        self._keep(tap)
+
+    def _uninstalled(self) -> None:
+        self._taps = []
+        self._start = None
+        self._reset_state()
+
+    # -- training thread (only while torch compiles) ---------------------------
+    def _on_compile_start(self, *_args: Any) -> None:
+        # TORCH_LOGS / set_logs may have reset a logger level since the last compile.
+        for tap in self._taps:
+            tap.refresh()
+
+    def _on_metrics_record(self, record: logging.LogRecord) -> None:
+        metrics = tf.compilation_metrics_of(record.args)
+        if metrics is None or getattr(metrics, "is_runtime", False):
+            return
+        if self._start is not None:
+            self._start.ensure()  # torch._dynamo.reset() clears compile callbacks
+        self.agent.record(self._on_compilation, Compilation.of(metrics))
+
+    def _on_graph_break_record(self, record: logging.LogRecord) -> None:
+        self.agent.record(self._on_graph_break, record.getMessage())
+
+    # -- agent thread ----------------------------------------------------------
+    def _on_compilation(self, c: Compilation) -> None:
+        store = self.agent.store
+        for phase, seconds in phase_seconds(c):
+            store.observe("compile_duration_seconds", (phase,), seconds)
+        if c.is_forward is False:
+            return  # a lazy backward graph is not a frame
+        frame_id = c.compile_id.split("/", 1)[0]
+        if c.co_name is not None:
+            if len(self._frames) >= MAX_FRAMES:
+                self._frames.clear()
+            self._frames[frame_id] = function_label(c.co_name, c.co_filename, c.co_firstlineno)
+        # A recompile-limit hit carries no code name; its frame id names the function.
+        function = self._frames.get(frame_id) or function_label(c.co_name, c.co_filename, c.co_firstlineno)
+        store.inc("compile_frames_total", ("ok" if c.fail_type is None else "failed",))
+        if is_recompile_limit(c.fail_type, c.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES):
+            store.inc("recompile_limit_hits_total", (self._functions(function),))
+            self.agent.emit("warning", "recompile limit hit; the function now runs uncompiled",
+                            function=function, compile_id=c.compile_id, last_reason=c.recompile_reason)
+            return
+        if c.recompile_reason is not None:
+            reason = classify_recompile(c.recompile_reason)
+            store.inc("recompiles_total", (self._functions(function), reason))
+            self.agent.emit("info", "recompile", function=function, reason=reason,
+                            compile_id=c.compile_id, detail=c.recompile_reason)
+        if c.fail_type is not None:
+            self.agent.emit("warning", "compile failed", function=function, compile_id=c.compile_id,
+                            fail_type=c.fail_type, detail=c.fail_reason)
+
+    def _on_graph_break(self, message: str) -> None:
+        parsed = parse_graph_break(message)
+        if parsed is None:
+            return
+        location = f"{short_path(parsed.filename)}:{parsed.line}"
+        kind = self._kinds(parsed.kind)
+        self.agent.store.inc("graph_breaks_total", (kind, self._locations(location)))
+        self.agent.emit("info", "graph break", kind=parsed.kind, location=f"{parsed.filename}:{parsed.line}",
+                        detail=parsed.reason)

@@ -1,0 +1,116 @@
+"""Read torch's log records without changing what the job prints.
+
+A handler would not do: `logger.info()` drops a record before any handler runs
+unless the logger is enabled for INFO, and adding a handler to a
+non-propagating torch artifact logger silences Python's `lastResort` output.
+So a tap is a *logger filter*: when the logger is not enabled for the level we
+need, the tap lowers that logger's level and then refuses (for everyone) each
+record the logger would not have passed before, so propagation, torch's own
+stderr handlers and the user's root handlers see exactly what they saw before.
+`refresh()` notices when someone else (TORCH_LOGS via `set_logs`, the user)
+changed the level later and adopts their level as the new baseline.
+Known gap: `logging.disable(level)` still hides records from the tap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Final
+
+Sink = Callable[[logging.LogRecord], None]
+
+_lock: Final = threading.Lock()
+_taps: dict[str, _LoggerTap] = {}
+
+
+class _LoggerTap(logging.Filter):
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+        self.sinks: dict[int, tuple[int, Sink]] = {}
+        self._baseline = logger.level  # the level the logger has without us
+        self._applied: int | None = None  # the level we set, None when we set nothing
+
+    # -- level bookkeeping (under _lock) -------------------------------------
+    def _needed(self) -> int:
+        return min((level for level, _sink in self.sinks.values()), default=logging.CRITICAL)
+
+    def apply(self) -> None:
+        if self._applied is not None and self.logger.level != self._applied:
+            # Someone else set a level after us: theirs is the new baseline.
+            self._baseline = self.logger.level
+            self._applied = None
+        if self._applied is None:
+            self._baseline = self.logger.level
+        needed = self._needed()
+        if self._baseline_effective() <= needed:
+            if self._applied is not None:
+                self.logger.setLevel(self._baseline)
+                self._applied = None
+            return
+        if self.logger.level != needed:
+            self.logger.setLevel(needed)
+        self._applied = needed
+
+    def restore(self) -> None:
+        if self._applied is not None and self.logger.level == self._applied:
+            self.logger.setLevel(self._baseline)
+        self._applied = None
+
+    def _baseline_effective(self) -> int:
+        if self._baseline != logging.NOTSET:
+            return self._baseline
+        parent = self.logger.parent
+        return parent.getEffectiveLevel() if parent is not None else logging.WARNING
+
+    # -- per record ----------------------------------------------------------
+    def filter(self, record: logging.LogRecord) -> bool:
+        for level, sink in list(self.sinks.values()):
+            if record.levelno >= level:
+                # A sink must never break torch's logging call.
+                with contextlib.suppress(Exception):
+                    sink(record)
+        if self._applied is None:
+            return True
+        return record.levelno >= self._baseline_effective()
+
+
+class LogTap:
+    """A removable subscription of `sink` to records of `logger_name` at `level` and above."""
+
+    def __init__(self, logger_name: str, level: int, sink: Sink) -> None:
+        self.logger_name = logger_name
+        with _lock:
+            tap = _taps.get(logger_name)
+            if tap is None:
+                tap = _taps[logger_name] = _LoggerTap(logging.getLogger(logger_name))
+                tap.logger.addFilter(tap)
+            tap.sinks[id(self)] = (level, sink)
+            tap.apply()
+        self._tap: _LoggerTap | None = tap
+
+    def refresh(self) -> None:
+        """Re-assert the level if another party changed it (cheap when nothing changed)."""
+        tap = self._tap
+        if tap is not None and tap._applied is not None and tap.logger.level == tap._applied:
+            return
+        if tap is not None:
+            with _lock:
+                tap.apply()
+
+    def remove(self) -> None:
+        tap, self._tap = self._tap, None
+        if tap is None:
+            return
+        with _lock:
+            tap.sinks.pop(id(self), None)
+            if tap.sinks:
+                tap.apply()
+                return
+            tap.restore()
+            tap.logger.removeFilter(tap)
+            if _taps.get(self.logger_name) is tap:
+                del _taps[self.logger_name]

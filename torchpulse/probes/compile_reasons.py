@@ -1,0 +1,145 @@
+"""Turn torch's free-form compile and CUDA-graph messages into bounded label values.
+
+Pure functions over strings, tested on messages captured from torch 2.13.
+Each classifier returns one value of a fixed tuple; anything unrecognised is
+`other`, and the full text goes to the structured log instead.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePath
+from typing import Final, NamedTuple
+
+RECOMPILE_REASONS: Final = (
+    "tensor_size", "dtype", "stride", "device", "requires_grad",
+    "python_value", "global_or_module_attribute", "grad_mode", "other",
+)
+CUDAGRAPH_SKIP_REASONS: Final = (
+    "cpu_device", "mutated_inputs", "multiple_devices", "dynamic_shapes",
+    "incompatible_op", "non_tensor_inputs", "other",
+)
+RERECORD_REASONS: Final = (
+    "static_input_changed", "managed_index_mismatch", "dead_tensors", "new_dynamic_shape", "other",
+)
+
+# "0/1: tensor 'x' size mismatch at index 0. expected 2, actual 3"
+_COMPILE_ID_PREFIX: Final = re.compile(r"^\s*\[?\d+/\d+\]?:\s*")
+_TENSOR_CHECKS: Final = (
+    (re.compile(r"\b(size|rank|dim(ension)?s?) mismatch"), "tensor_size"),
+    (re.compile(r"\bdtype mismatch"), "dtype"),
+    (re.compile(r"\bstride mismatch"), "stride"),
+    (re.compile(r"\bdevice mismatch|\bdevice index mismatch"), "device"),
+    (re.compile(r"\brequires_grad mismatch"), "requires_grad"),
+)
+_GRAD_MODE: Final = re.compile(r"\bgrad_mode\b|GLOBAL_STATE changed")
+# A guard on an attribute (G['o'].v, L['self']._modules['lin'].training) or on a
+# global variable (G['name']).
+_ATTRIBUTE: Final = re.compile(r"^G\[|\]\.\w|\._(modules|parameters|buffers)\[|__dict__")
+_VALUE: Final = re.compile(
+    r"==|!=|\bis\b|___check_obj_id|___check_type_id|___dict_contains|isinstance\(|hasattr\(|len\("
+)
+
+
+def reason_text(reason: str) -> str:
+    """The first line of a recompile reason, without the `frame/compile` id prefix."""
+    first = reason.strip().split("\n", 1)[0]
+    return _COMPILE_ID_PREFIX.sub("", first, count=1).strip()
+
+
+def classify_recompile(reason: str) -> str:
+    """Map Dynamo's first failed guard to one of `RECOMPILE_REASONS`."""
+    text = reason_text(reason)
+    if text.startswith("tensor "):
+        for pattern, label in _TENSOR_CHECKS:
+            if pattern.search(text):
+                return label
+    if _GRAD_MODE.search(text):
+        return "grad_mode"
+    # A source comment follows the guard expression ("n == 1   # x*n  # f.py:3").
+    expression = text.split("#", 1)[0].strip()
+    if _ATTRIBUTE.search(expression):
+        return "global_or_module_attribute"
+    if _VALUE.search(expression):
+        return "python_value"
+    for pattern, label in _TENSOR_CHECKS:  # tensor checks phrased differently
+        if pattern.search(text):
+            return label
+    return "other"
+
+
+def is_recompile_limit(fail_type: str | None, fail_reason: str | None, markers: tuple[str, ...],
+                       fail_types: tuple[str, ...]) -> bool:
+    if not fail_type or not fail_reason or fail_type not in fail_types:
+        return False
+    head = fail_reason.split("\n", 1)[0].lower()
+    return any(marker.lower() in head for marker in markers)
+
+
+def short_path(filename: str) -> str:
+    """The last two path components: enough to find a file, short enough for a legend."""
+    parts = PurePath(filename).parts
+    return "/".join(parts[-2:]) if len(parts) > 1 else filename
+
+
+def function_label(name: str | None, filename: str | None, line: int | None) -> str:
+    """`name (file:line)`, the function label of recompile series."""
+    return f"{name or '?'} ({short_path(filename or '?')}:{line if line is not None else '?'})"
+
+
+class GraphBreak(NamedTuple):
+    kind: str
+    filename: str
+    line: int
+    reason: str
+
+
+_GRAPH_BREAK: Final = re.compile(
+    r"in user code at (?P<file>.+?):(?P<line>\d+)\s*\nGraph Break Reason: (?P<reason>.*)", re.DOTALL
+)
+_GENERIC_PREFIX: Final = "Encountered graph break when attempting to trace"
+
+
+def parse_graph_break(message: str) -> GraphBreak | None:
+    """Split a `graph_breaks` log message into kind (Dynamo's gb_type line), file, line, reason."""
+    match = _GRAPH_BREAK.search(message)
+    if match is None:
+        return None
+    reason = match["reason"].split("\n\nUser code traceback:", 1)[0].strip()
+    lines = [line.strip() for line in reason.split("\n") if line.strip()]
+    kind = lines[0] if lines else "unknown"
+    # "Encountered graph break when attempting to trace CALL: ...:" wraps the
+    # real graph-break type, which is the next line (the key of counters["graph_break"]).
+    if kind.startswith(_GENERIC_PREFIX) and len(lines) > 1:
+        kind = lines[1]
+    return GraphBreak(kind, match["file"], int(match["line"]), reason)
+
+
+def classify_cudagraph_skip(message: str) -> str:
+    """Map a "skipping cudagraphs due to ..." message to one of `CUDAGRAPH_SKIP_REASONS`."""
+    text = message.lower()
+    if "cpu device" in text:
+        return "cpu_device"
+    if "mutated inputs" in text or "mutation" in text:
+        return "mutated_inputs"
+    if "multiple devices" in text:
+        return "multiple_devices"
+    if any(word in text for word in ("dynamic shape", "dynamic_shape", "symbolic shape", "symint", "unbacked")):
+        return "dynamic_shapes"
+    if "non-tensor" in text or "non tensor" in text or "non_tensor" in text:
+        return "non_tensor_inputs"
+    if "incompatible op" in text or "unsupported op" in text or "cudagraph-unsafe" in text:
+        return "incompatible_op"
+    return "other"
+
+
+def classify_rerecord(reason: str) -> str:
+    """Map a tree manager re-record reason (CheckInvariantStatus text) to `RERECORD_REASONS`."""
+    text = reason.lower()
+    if "static input" in text:
+        return "static_input_changed"
+    if "managed" in text:
+        return "managed_index_mismatch"
+    if "dead" in text:
+        return "dead_tensors"
+    return "other"

@@ -1,0 +1,327 @@
+"""CUDA-graph probe: skips by reason, recordings, warm-ups, re-recordings, pools, optimizer readiness.
+
+Sources, all read without changing what torch prints (see `compile_logtap`):
+- `counters['inductor']['cudagraph_skips']` plus the "skipping cudagraphs due
+  to ..." messages. A graph with no CUDA device bumps the counter without a
+  message, so increments no message explains are CPU-device skips.
+- The tree manager's own debug/info lines for warm-ups, recordings and
+  re-record reasons (logged only on those slow paths, never on replay), and
+  the CUDAGRAPH_RECORDING compile callbacks for recording time.
+- The tree manager itself (thread-local) and optimizer state, read from the
+  training thread in a global optimizer post-hook every N steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from torchpulse.probes import torch_features as tf
+from torchpulse.probes.base import Probe
+from torchpulse.probes.compile_logtap import LogTap
+from torchpulse.probes.compile_reasons import classify_cudagraph_skip, classify_rerecord
+from torchpulse.probes.logs import get_logger
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+log = get_logger("torchpulse.probes")
+MAX_SYMINT_IDS = 4096
+
+
+class Readiness(NamedTuple):
+    """What Dynamo's optimizer integration would find when compiling `optimizer.step`."""
+
+    nonstatic_grads: int
+    moving_grads: int
+    capturable: tuple[tuple[int, bool], ...]  # (param group, capturable) for CUDA groups
+    cpu_step_tensors: int
+
+
+def measure_readiness(optimizer: Optimizer, last_ptrs: dict[int, int]) -> Readiness:
+    """Count the CUDA-graph hazards of one optimizer; `last_ptrs` maps param id -> grad address."""
+    nonstatic = moving = cpu_steps = 0
+    capturable: list[tuple[int, bool]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        on_cuda = False
+        for param in group["params"]:
+            if not param.is_cuda:
+                continue
+            on_cuda = True
+            grad = param.grad
+            if grad is not None:
+                if not tf.is_static_for_cudagraphs(grad):
+                    nonstatic += 1
+                ptr = grad.data_ptr()
+                if last_ptrs.get(id(param), ptr) != ptr:
+                    moving += 1
+                last_ptrs[id(param)] = ptr
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and not step.is_cuda:
+                cpu_steps += 1
+        if on_cuda and "capturable" in group:
+            capturable.append((index, bool(group["capturable"])))
+    return Readiness(nonstatic, moving, tuple(capturable), cpu_steps)
+
+
+def readiness_hint(r: Readiness) -> str | None:
+    """One actionable sentence per optimizer, or None when nothing blocks CUDA graphs."""
+    fixes: list[str] = []
+    if any(not flag for _group, flag in r.capturable) or r.cpu_step_tensors:
+        fixes.append("construct the optimizer with capturable=True (keeps `step` on the GPU)")
+    if r.moving_grads:
+        fixes.append("call zero_grad(set_to_none=False) so grads keep their addresses")
+    if r.nonstatic_grads:
+        fixes.append(f"mark the {r.nonstatic_grads} grads static with torch._dynamo.mark_static_address "
+                     "(else each is copied on every graph replay)")
+    return "; ".join(fixes) if fixes else None
+
+
+class _Callbacks:
+    """Start/end compile callbacks that `torch._dynamo.reset()` may clear; re-added when missing."""
+
+    def __init__(self, start: Any, end: Any) -> None:
+        self.start, self.end = start, end
+
+    def ensure(self) -> None:
+        handler = tf.callback_handler()
+        if self.start not in handler.start_callbacks:
+            handler.register_start_callback(self.start)
+        if self.end not in handler.end_callbacks:
+            handler.register_end_callback(self.end)
+
+    def remove(self) -> None:
+        handler = tf.callback_handler()
+        for remove, callback in ((handler.remove_start_callback, self.start),
+                                 (handler.remove_end_callback, self.end)):
+            with contextlib.suppress(ValueError):
+                remove(callback)
+
+
+class _Tracked:
+    __slots__ = ("__weakref__", "grad_ptrs", "hinted", "label", "steps")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.steps = 0
+        self.grad_ptrs: dict[int, int] = {}
+        self.hinted = False
+
+
+class CudaGraphProbe(Probe):
+    name = "cudagraphs"
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.every = int(agent.config.options.get("cudagraph_readiness_every", agent.config.optimizer_state_every))
+        self._callbacks: _Callbacks | None = None
+        self._taps: list[LogTap] = []
+        self._ids = itertools.count()
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._due_in: dict[int, int] = {}  # id(optimizer) -> steps until its next check
+        self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
+        self._recording_started: float | None = None
+        self._trees_dirty = False
+        self._symint_ids: set[str] = set()
+        # Skip accounting: counter increments no message explains are CPU-device skips.
+        self._skip_messages = 0
+        self._skip_unexplained = 0
+        self._skip_last = self._skip_base = tf.dynamo_counter("inductor", "cudagraph_skips") \
+            if tf.has("dynamo_counters") else 0
+        self._nonstatic_last = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs") \
+            if tf.has("dynamo_counters") else 0
+
+    def _install(self) -> None:
+        for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args",
+                                  "cudagraph_tree_managers"):
+            log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
+        self._reset_state()
+        self._tap(tf.CUDAGRAPHS_LOGGER, logging.WARNING, self._on_cudagraphs_record)
+        self._tap(tf.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
+        if tf.has("compilation_metrics_log"):
+            self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_compile_end)
+        if tf.has("compile_callbacks") and tf.has("compile_callback_args"):
+            self._callbacks = _Callbacks(self.guard(self._on_callback_start), self.guard(self._on_callback_end))
+            self._callbacks.ensure()
+            self._keep(self._callbacks)
+        self._checked_step = self.guard(self._after_step)
+        self._keep(register_optimizer_step_post_hook(self._every_step))
+
+    def _tap(self, logger_name: str, level: int, sink: Any) -> None:
+        tap = LogTap(logger_name, level, self.guard(sink))
+        self._taps.append(tap)
+        self._keep(tap)
+
+    def _uninstalled(self) -> None:
+        self._callbacks = None
+        self._taps = []
+        self._reset_state()
+
+    # -- training thread: compile time and slow CUDA-graph paths ---------------
+    def _on_compile_end(self, record: logging.LogRecord) -> None:
+        if tf.compilation_metrics_of(record.args) is None:
+            return
+        if self._callbacks is not None:
+            self._callbacks.ensure()  # torch._dynamo.reset() clears compile callbacks
+        for tap in self._taps:
+            tap.refresh()
+        self._poll_counters()
+
+    def _on_cudagraphs_record(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(tf.CUDAGRAPH_SKIP_PREFIX):
+            self._skip_messages += 1
+            limit = tf.CUDAGRAPH_RERECORD_LIMIT_MARKER in message
+            self.agent.record(self._on_skip, classify_cudagraph_skip(message), message, limit)
+        elif message.startswith(tf.CUDAGRAPH_DYNAMIC_SHAPE_WARNING):
+            self.agent.record(self._on_dynamic_shape_warning, message)
+
+    def _on_trees_record(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)
+        if tf.TREES_WARMUP in msg:
+            self.agent.record(self._inc, "cudagraph_warmups_total")
+        elif tf.TREES_RERECORD in msg and isinstance(record.args, tuple) and len(record.args) >= 4:
+            self.agent.record(self._on_rerecord, classify_rerecord(str(record.args[3])), str(record.args[3]))
+        elif tf.TREES_SYMINT_RECORDING in msg and isinstance(record.args, tuple) and record.args:
+            # The first shape of a compiled function is its first recording, not a re-record.
+            compile_id = str(record.args[0])
+            if compile_id in self._symint_ids:
+                self.agent.record(self._on_rerecord, "new_dynamic_shape", msg % record.args)
+            elif len(self._symint_ids) < MAX_SYMINT_IDS:
+                self._symint_ids.add(compile_id)
+        elif tf.TREES_RECORDING in msg and self._callbacks is None:
+            self._trees_dirty = True  # no recording callbacks on this torch: count from the log
+            self.agent.record(self._inc, "cudagraph_recordings_total")
+
+    def _on_callback_start(self, args: Any) -> None:
+        if tf.callback_trigger_name(args) == tf.TRIGGER_CUDAGRAPH_RECORDING:
+            self._recording_started = time.perf_counter()
+
+    def _on_callback_end(self, args: Any) -> None:
+        if tf.callback_trigger_name(args) != tf.TRIGGER_CUDAGRAPH_RECORDING or self._recording_started is None:
+            return
+        duration = time.perf_counter() - self._recording_started
+        self._recording_started = None
+        self._trees_dirty = True
+        self.agent.record(self._on_recording, duration)
+        self._poll_counters()
+
+    def _poll_counters(self) -> None:
+        if not tf.has("dynamo_counters"):
+            return
+        now = tf.dynamo_counter("inductor", "cudagraph_skips")
+        if now < self._skip_last:  # someone cleared counters: rebase, count nothing
+            self._skip_base = now - self._skip_messages - self._skip_unexplained
+        unexplained = now - self._skip_base - self._skip_messages
+        self._skip_last = now
+        if unexplained > self._skip_unexplained:
+            reason = "other" if tf.cudagraph_policy_set() else "cpu_device"
+            self.agent.record(self._on_silent_skips, reason, unexplained - self._skip_unexplained)
+            self._skip_unexplained = unexplained
+        copies = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
+        if copies > self._nonstatic_last:
+            self.agent.record(self._inc, "cudagraph_nonstatic_input_copies_total", float(copies - self._nonstatic_last))
+        self._nonstatic_last = copies
+
+    # -- training thread: every optimizer step (cheap unless due) --------------
+    def _every_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # Not wrapped by `guard`: its Dynamo-disable wrapper costs ~1 us a call,
+        # measurable on a fast compiled step. This path is a dict lookup and an
+        # int compare that cannot raise; `_dynamo_skip` below keeps Dynamo from
+        # tracing it, and the real work runs guarded.
+        key = id(optimizer)
+        left = self._due_in.get(key, 0) - 1
+        if left > 0:
+            self._due_in[key] = left
+            return
+        self._due_in[key] = self.every
+        self._checked_step(optimizer, args, kwargs)
+
+    def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+        tracked = self._tracked.get(optimizer) or self._track(optimizer)
+        tracked.steps += 1
+        if self._callbacks is not None:
+            self._callbacks.ensure()
+        readiness = measure_readiness(optimizer, tracked.grad_ptrs)
+        hint = None
+        if not tracked.hinted:
+            hint = readiness_hint(readiness)
+            tracked.hinted = hint is not None
+        self.agent.record(self._on_readiness, tracked.label, readiness, hint)
+        self._poll_counters()
+        if self._trees_dirty and tf.has("cudagraph_tree_managers"):
+            self._trees_dirty = False
+            managers = list(tf.tree_managers())
+            trees = nodes = 0
+            for manager in managers:
+                t, n = tf.count_tree_nodes(manager)
+                trees, nodes = trees + t, nodes + n
+            self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
+
+    def _track(self, optimizer: Optimizer) -> _Tracked:
+        label = None
+        optimizer_probe = self.agent.probes.get("optimizer")
+        if optimizer_probe is not None:
+            entry = getattr(optimizer_probe, "_tracked", {}).get(optimizer)
+            label = getattr(entry, "label", None)
+        tracked = _Tracked(label or f"{type(optimizer).__name__}#{next(self._ids)}")
+        self._tracked[optimizer] = tracked
+        return tracked
+
+    # -- agent thread ------------------------------------------------------------
+    def _inc(self, family: str, amount: float = 1.0) -> None:
+        self.agent.store.inc(family, (), amount)
+
+    def _on_skip(self, reason: str, message: str, rerecord_limit: bool) -> None:
+        self.agent.store.inc("cudagraph_skips_total", (reason,))
+        if rerecord_limit:
+            self.agent.store.inc("cudagraph_rerecord_limit_hits_total", ())
+        self.agent.emit("warning", "cudagraphs skipped", reason=reason, detail=message)
+
+    def _on_silent_skips(self, reason: str, count: int) -> None:
+        self.agent.store.inc("cudagraph_skips_total", (reason,), float(count))
+
+    def _on_dynamic_shape_warning(self, message: str) -> None:
+        self.agent.store.inc("cudagraph_dynamic_shape_warnings_total", ())
+        self.agent.emit("warning", "cudagraph dynamic-shape warn limit crossed", detail=message)
+
+    def _on_rerecord(self, reason: str, detail: str) -> None:
+        self.agent.store.inc("cudagraph_rerecords_total", (reason,))
+        self.agent.emit("info", "cudagraph re-recorded", reason=reason, detail=detail)
+
+    def _on_recording(self, duration: float) -> None:
+        self.agent.store.inc("cudagraph_recordings_total", ())
+        self.agent.store.observe("cudagraph_recording_duration_seconds", (), duration)
+
+    def _on_trees(self, trees: int, nodes: int, pool: int | None) -> None:
+        self.agent.store.set("cudagraph_trees", (), float(trees))
+        self.agent.store.set("cudagraph_nodes", (), float(nodes))
+        if pool is not None:
+            self.agent.store.set("cudagraph_pool_bytes", (), float(pool))
+
+    def _on_readiness(self, label: str, r: Readiness, hint: str | None) -> None:
+        store = self.agent.store
+        store.set("optimizer_nonstatic_grads", (label,), float(r.nonstatic_grads))
+        store.set("optimizer_moving_grads", (label,), float(r.moving_grads))
+        store.set("optimizer_cpu_step_tensors", (label,), float(r.cpu_step_tensors))
+        for group, flag in r.capturable:
+            store.set("optimizer_capturable", (label, str(group)), 1.0 if flag else 0.0)
+        if hint is not None:
+            self.agent.emit("warning", "optimizer is not ready for CUDA graphs", optimizer=label, hint=hint,
+                            nonstatic_grads=r.nonstatic_grads, moving_grads=r.moving_grads,
+                            cpu_step_tensors=r.cpu_step_tensors)
+
+
+# Dynamo treats a skipped function like a disabled one when a compiled
+# `optimizer.step` calls hooks, without a wrapper in eager mode.
+tf.skip_tracing(CudaGraphProbe._every_step)

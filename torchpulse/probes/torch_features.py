@@ -1,0 +1,251 @@
+"""Every version-dependent fact the compile and CUDA-graph probes rely on, in one place.
+
+The probes read torch's private surfaces (loggers, counters, callbacks, the
+CUDA-graph tree manager). Each is detected at run time and recorded in
+`FEATURES` with the reason it is missing, so a probe degrades one feature at
+a time with a logged reason instead of failing on an unexpected torch.
+Verified against torch 2.13; earlier notes say where behaviour changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+# -- logger names (artifact loggers are "<module>.__<artifact>") ---------------
+# `record_compilation_metrics` ends with `log_compilation_event(metrics)`, which
+# logs the CompilationMetrics object at INFO here (record.args[0]).
+METRICS_LOGGER: Final = "torch._utils_internal"
+# `InstructionTranslatorBase.log_graph_break` logs "Graph break in user code at
+# FILE:LINE\nGraph Break Reason: ..." at DEBUG, and only builds the message
+# when the logger is enabled for DEBUG.
+GRAPH_BREAK_LOGGER: Final = "torch._dynamo.symbolic_convert.__graph_breaks"
+# `log_cudagraph_skip_and_bump_counter` and the dynamic-shape warn limit log
+# here at WARNING. The artifact does not propagate, so without handlers Python's
+# `lastResort` prints them: a tap must be a filter, never a handler.
+CUDAGRAPHS_LOGGER: Final = "torch._inductor.cudagraph_utils.__cudagraphs"
+# The tree manager logs recordings, warm-ups and re-record reasons at DEBUG
+# (only on those slow paths, never on replay), symint recordings at INFO.
+CUDAGRAPH_TREES_LOGGER: Final = "torch._inductor.cudagraph_trees"
+
+# -- message markers -----------------------------------------------------------
+RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
+RECOMPILE_LIMIT_FAIL_TYPES: Final = ("Unsupported", "FailOnRecompileLimitHit")
+CUDAGRAPH_SKIP_PREFIX: Final = "skipping cudagraph"
+CUDAGRAPH_RERECORD_LIMIT_MARKER: Final = "re-recording limit"
+CUDAGRAPH_DYNAMIC_SHAPE_WARNING: Final = "CUDAGraph supports dynamic shapes by recording a new graph"
+TREES_RECORDING: Final = "Recording function="
+TREES_WARMUP: Final = "Running warmup function="
+TREES_RERECORD: Final = "Re-recording function="
+TREES_SYMINT_RECORDING: Final = "Recording cudagraph tree for symint key"
+# Trigger names of `torch._dynamo.callback.CallbackTrigger` (2.8+).
+TRIGGER_CUDAGRAPH_RECORDING: Final = "CUDAGRAPH_RECORDING"
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    available: bool
+    reason: str = ""
+
+
+def _check(name: str, probe: Callable[[], object]) -> Feature:
+    try:
+        result = probe()
+    except Exception as exc:  # any import or attribute drift means "not here"
+        return Feature(name, False, f"{type(exc).__name__}: {exc}")
+    if result is False:
+        return Feature(name, False, "not present in this torch")
+    return Feature(name, True)
+
+
+def _metrics_logged() -> bool:
+    import torch._dynamo.config
+    import torch._dynamo.utils
+
+    # Both the class and the log call must exist; the flag is checked per use.
+    return hasattr(torch._dynamo.utils, "CompilationMetrics") and hasattr(
+        torch._dynamo.utils, "log_compilation_event"
+    )
+
+
+def _callback_handler() -> bool:
+    from torch._dynamo.callback import callback_handler as handler
+
+    return callable(getattr(handler, "register_start_callback", None)) and callable(
+        getattr(handler, "remove_start_callback", None)
+    )
+
+
+def _callback_args() -> bool:
+    # Before ~2.8 callbacks took no arguments; from then on CallbackArgs.
+    from torch._dynamo.callback import CallbackArgs, CallbackTrigger
+
+    return hasattr(CallbackTrigger, TRIGGER_CUDAGRAPH_RECORDING) and "compile_id" in inspect.signature(
+        CallbackArgs
+    ).parameters
+
+
+def _counters() -> bool:
+    from torch._dynamo.utils import counters
+
+    return isinstance(counters, dict)
+
+
+def _tree_managers() -> bool:
+    from torch._inductor import cudagraph_trees
+
+    return hasattr(cudagraph_trees, "local") and hasattr(cudagraph_trees, "get_manager")
+
+
+def _static_address_type() -> bool:
+    from torch._dynamo.utils import get_static_address_type
+
+    return callable(get_static_address_type)
+
+
+def _memory_snapshot() -> bool:
+    return callable(getattr(torch.cuda, "memory_snapshot", None))
+
+
+_DETECTORS: Final[dict[str, Callable[[], object]]] = {
+    "compilation_metrics_log": _metrics_logged,
+    "compile_callbacks": _callback_handler,
+    "compile_callback_args": _callback_args,
+    "dynamo_counters": _counters,
+    "cudagraph_tree_managers": _tree_managers,
+    "static_address_type": _static_address_type,
+    "cuda_memory_snapshot": _memory_snapshot,
+}
+FEATURES: dict[str, Feature] = {}
+
+
+def features() -> dict[str, Feature]:
+    """The feature-detection table, computed once per process."""
+    if not FEATURES:
+        for name, detector in _DETECTORS.items():
+            FEATURES[name] = _check(name, detector)
+    return FEATURES
+
+
+def has(name: str) -> bool:
+    return features()[name].available
+
+
+def missing(*names: str) -> list[Feature]:
+    return [features()[name] for name in names if not features()[name].available]
+
+
+# -- accessors (call only when the matching feature is available) -------------
+def skip_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep Dynamo from tracing `fn` without an eager-mode wrapper; else fall back to disable()."""
+    try:
+        from torch._dynamo.decorators import skip
+    except ImportError:
+        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return,unused-ignore]
+    return skip(fn)
+
+
+def metrics_logging_enabled() -> bool:
+    """False when `torch._dynamo.config.log_compilation_metrics` is off (no records reach us)."""
+    import torch._dynamo.config
+
+    return bool(getattr(torch._dynamo.config, "log_compilation_metrics", True))
+
+
+def compilation_metrics_of(args: object) -> Any | None:
+    """The CompilationMetrics object of a `torch._utils_internal` log record, if it is one."""
+    from torch._dynamo.utils import CompilationMetrics
+
+    if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], CompilationMetrics):
+        return args[0]
+    return None
+
+
+def callback_handler() -> Any:
+    # The same object as `torch._dynamo.callback_handler`; reset() clears its lists, never replaces it.
+    from torch._dynamo.callback import callback_handler as handler
+
+    return handler
+
+
+def callback_trigger_name(args: object) -> str | None:
+    """The trigger name of a compile callback's argument (None before CallbackArgs existed)."""
+    trigger = getattr(args, "callback_trigger", None)
+    return getattr(trigger, "name", None)
+
+
+def dynamo_counter(group: str, key: str) -> int:
+    """A value of `torch._dynamo.utils.counters` without creating missing keys."""
+    from torch._dynamo.utils import counters
+
+    section = counters.get(group)
+    return int(section.get(key, 0)) if section is not None else 0
+
+
+def cudagraph_policy_set() -> bool:
+    """A custom inductor `cudagraph_policy` may also skip graphs without a message."""
+    import torch._inductor.config
+
+    return getattr(torch._inductor.config, "cudagraph_policy", None) is not None
+
+
+def tree_managers() -> Iterator[Any]:
+    """CUDA-graph tree managers of the calling thread (the manager is thread-local)."""
+    from torch._inductor import cudagraph_trees
+
+    containers = getattr(cudagraph_trees.local, "tree_manager_containers", None) or {}
+    for container in list(containers.values()):
+        manager = getattr(container, "tree_manager", None)
+        if manager is not None:
+            yield manager
+
+
+def is_static_for_cudagraphs(tensor: torch.Tensor) -> bool:
+    """Mirror of Dynamo's `_is_static_for_cudagraphs` that tolerates a manager between runs."""
+    if not tensor.is_cuda:
+        return True  # Dynamo does not copy (or warn about) non-CUDA tensors.
+    from torch._dynamo.utils import get_static_address_type
+
+    if get_static_address_type(tensor) is not None:
+        return True
+    if not has("cudagraph_tree_managers"):
+        return False
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(tensor.device.index, False)
+    node = getattr(manager, "current_node", None) if manager is not None else None
+    checker = getattr(node, "_is_cuda_graph_recorded_tensor", None)
+    return bool(checker(tensor)) if checker is not None else False
+
+
+def pool_bytes(managers: list[Any]) -> int | None:
+    """Bytes reserved in the CUDA-graph private pools of `managers` (None when unknown)."""
+    if not managers or not has("cuda_memory_snapshot"):
+        return None
+    pools = {tuple(p) for m in managers if (p := getattr(m, "cuda_graphs_thread_pool", None)) is not None}
+    if not pools:
+        return None
+    total = 0
+    for segment in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
+        if tuple(segment.get("segment_pool_id", ())) in pools:
+            total += int(segment.get("total_size", 0))
+    return total
+
+
+def count_tree_nodes(manager: Any) -> tuple[int, int]:
+    """(trees, nodes) of one tree manager: roots are trees, every recorded graph a node."""
+    roots = getattr(manager, "roots", None) or {}
+    pending = [node for nodes in roots.values() for node in nodes]
+    trees = len(pending)
+    nodes = 0
+    while pending:
+        node = pending.pop()
+        nodes += 1
+        for children in getattr(node, "children", {}).values():
+            pending.extend(children)
+    return trees, nodes
