@@ -21,6 +21,9 @@ log = get_logger("torchpulse.agent")
 # Probe name -> "module:Class"; imported only when enabled.
 PROBES: dict[str, str] = {
     "optimizer": "torchpulse.probes.optimizer:OptimizerProbe",
+    "compile": "torchpulse.probes.compile:CompileProbe",
+    "cudagraphs": "torchpulse.probes.cudagraphs:CudaGraphProbe",
+    "autograd": "torchpulse.probes.autograd:AutogradProbe",
 }
 MIN_TORCH = (2, 4)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torchpulse.paths import agent_socket_path
 
-DEFAULT_PROBES = ("optimizer",)
+DEFAULT_PROBES = ("optimizer", "autograd", "compile", "cudagraphs")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,196 @@
+"""Step-time overhead of the autograd probe, measured side by side in one run.
+
+A 2-layer TransformerEncoder (d_model 256, batch 8, seq 128) trains on CPU.
+Each round runs one step per configuration, in rotating order, so drift in
+machine load hits every configuration alike:
+
+- off:          no probe active (the probes stay installed but disabled:
+                their wrapper is then one attribute check per pass)
+- default:      pass counting, node timing every 100th pass, non-finite check
+- every_pass:   node timing on every pass
+- torch_debug:  torch's own logging hooks (`torch.autograd.graph` at DEBUG)
+
+Each step is timed twice: wall clock, and CPU time of the training thread
+(`time.thread_time`; with --threads 1 every op runs on that thread, and time
+lost to other processes on a shared machine is not counted). Printed ratios:
+the median of per-round ratios against `off` in the same round, the ratio of
+the medians, and the ratio of the 10th percentiles (interference only adds
+time, so the low percentile is the steadiest). Not a timed test: the numbers
+are read.
+
+    .venv/bin/python bench/autograd_overhead.py [--rounds 40] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchpulse.probes.agent import Agent
+from torchpulse.probes.autograd import AutogradProbe
+from torchpulse.probes.config import AgentConfig
+from torchpulse.probes.identity import current_identity
+
+TARGETS = {"default": 1.005, "every_pass": 1.03}
+
+
+class _TorchDebugLogging(AbstractContextManager[None]):
+    """Switches torch's per-node logging hooks on, writing to a null handler."""
+
+    def __init__(self) -> None:
+        self.logger = logging.getLogger("torch.autograd.graph")
+        self.handler = logging.NullHandler()
+
+    def __enter__(self) -> None:
+        self.saved = (self.logger.level, self.logger.propagate)
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.propagate = False
+
+    def __exit__(self, *_exc: object) -> None:
+        self.logger.setLevel(self.saved[0])
+        self.logger.propagate = self.saved[1]
+        self.logger.removeHandler(self.handler)
+
+
+class SelfTime:
+    """Thread CPU time spent inside the probe's pass wrapper (outside the engine) and drain."""
+
+    def __init__(self, probe: AutogradProbe) -> None:
+        self.seconds = 0.0
+        for attr in ("_begin", "_end"):
+            setattr(probe, attr, self._timed(getattr(probe, attr)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+
+def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
+    """A real agent without a sender thread; records are drained inside the timed step."""
+    config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=(),
+                         options={f"autograd_{k}": v for k, v in options.items()})
+    agent = Agent(config, current_identity())
+    probe = AutogradProbe(agent)
+    probe.install()
+    probe.enabled = False
+    return agent, probe
+
+
+def make_step() -> Callable[[], None]:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 128, 256)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _report(clock: str, times: dict[str, list[float]], names: list[str]) -> None:
+    off = times["off"]
+    print(f"-- {clock}")
+    print(f"{'config':<12} {'median ms':>10} {'paired ratio':>13} {'ratio of medians':>17} "
+          f"{'ratio of p10':>13} {'target':>7}")
+    for name in names[1:]:
+        paired = statistics.median(t / o for t, o in zip(times[name], off, strict=True))
+        of_medians = statistics.median(times[name]) / statistics.median(off)
+        of_p10 = _p10(times[name]) / _p10(off)
+        target = f"<={TARGETS[name]}" if name in TARGETS else "-"
+        print(f"{name:<12} {statistics.median(times[name]) * 1e3:>10.1f} {paired:>13.4f} "
+              f"{of_medians:>17.4f} {of_p10:>13.4f} {target:>7}")
+
+
+def _p10(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    step = make_step()
+    default_agent, default_probe = make_probe()
+    every_agent, every_probe = make_probe(sample_every="1")
+    configs: dict[str, tuple[AutogradProbe | None, Agent | None, Callable[[], object]]] = {
+        "off": (None, None, nullcontext),
+        "default": (default_probe, default_agent, nullcontext),
+        "every_pass": (every_probe, every_agent, nullcontext),
+        "torch_debug": (None, None, _TorchDebugLogging),
+    }
+    self_times = {"default": SelfTime(default_probe), "every_pass": SelfTime(every_probe)}
+    names = list(configs)
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+
+    def run(name: str) -> None:
+        probe, agent, context = configs[name]
+        if probe is not None:
+            probe.enabled = True
+        with context():  # type: ignore[attr-defined]
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            step()
+            if agent is not None:
+                drain_start = time.thread_time()
+                agent.drain()
+                self_times[name].seconds += time.thread_time() - drain_start
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - start_cpu)
+        if probe is not None:
+            probe.enabled = False
+
+    for _ in range(args.warmup):
+        for name in names:
+            run(name)
+    for times in (wall, cpu):
+        for values in times.values():
+            values.clear()
+    for self_time in self_times.values():
+        self_time.seconds = 0.0
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            run(name)
+
+    print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
+          f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
+          f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU")
+    for clock, times in (("wall", wall), ("thread CPU", cpu)):
+        _report(clock, times, names)
+    off_cpu = sum(cpu["off"])
+    for name, self_time in self_times.items():
+        print(f"{name}: probe self time (wrapper outside the engine + drain; node hooks excluded) "
+              f"= {self_time.seconds / off_cpu:.4%} of the off step's thread CPU")
+    default_agent.drain()
+    sampled = default_agent.store.value("autograd_sampled_passes_total", ()) or 0
+    passes = default_agent.store.value("backward_passes_total", ("backward",)) or 0
+    print(f"default probe: {passes:.0f} passes, {sampled:.0f} timed")
+    for probe in (default_probe, every_probe):
+        probe.uninstall()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Non-finite gradients after each pass, and the parameter names they are reported under."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
+from torchpulse.probes.autograd_names import NameResolver, parameter_names
+
+NAN_STEP = 3
+
+
+def _train(agent: Any, *, inject: bool, steps: int = 6) -> None:
+    """A loop that skips the optimizer step on non-finite gradients, as GradScaler does."""
+    model = tiny_transformer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(2, 4, 32)
+    target = model.layers[1].linear1.weight
+    for step in range(steps):
+        handle = target.register_hook(lambda g: g * math.nan) if inject and step == NAN_STEP else None
+        model(x).square().mean().backward()
+        if handle is not None:
+            handle.remove()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    agent.drain()
+
+
+def test_nan_in_one_gradient_is_counted_once_and_named() -> None:
+    """NaN at step k: one non-finite pass, one parameter, named in the log event."""
+    with autograd_agent(grad_norm="1") as agent:
+        _train(agent, inject=True)
+        assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
+        assert 1 == agent.store.value("grad_nonfinite_parameters", ())
+        [event] = events(agent, "autograd.nonfinite_gradients")
+        assert (NAN_STEP, 1, "layers.1.linear1.weight") == (
+            event["pass_index"], event["parameters"], event["names"])
+        assert math.isfinite(agent.store.value("grad_norm", ()))  # the last pass was clean
+
+
+def test_the_same_run_without_injection_counts_zero() -> None:
+    """No NaN: the counter never appears, the norm gauge is finite and positive."""
+    with autograd_agent(grad_norm="1") as agent:
+        _train(agent, inject=False)
+        assert agent.store.value("grad_nonfinite_passes_total", ()) is None
+        assert [] == events(agent, "autograd.nonfinite_gradients")
+        assert 0 < agent.store.value("grad_norm", ()) < math.inf
+
+
+def test_grad_norm_matches_torch_and_is_off_by_default() -> None:
+    """The gauge equals clip_grad_norm_'s total norm; without the option it is not exported."""
+    model = tiny_transformer()
+    x = torch.randn(2, 4, 32)
+    with autograd_agent(grad_norm="1") as agent:
+        model(x).mean().backward()
+        agent.drain()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        assert agent.store.value("grad_norm", ()) == pytest.approx(float(expected), rel=1e-5)
+    model.zero_grad()
+    with autograd_agent() as agent:
+        model(x).mean().backward()
+        agent.drain()
+        assert agent.store.value("grad_norm", ()) is None
+
+
+def test_autograd_grad_passes_are_not_checked() -> None:
+    """torch.autograd.grad accumulates nothing into .grad: no check, even with NaN results."""
+    with autograd_agent() as agent:
+        weight = torch.ones(3, requires_grad=True)
+        (weight * 2).sum().backward()  # discovers the parameter
+        weight.grad = torch.full((3,), math.nan)
+        torch.autograd.grad((weight * 2).sum(), weight)
+        agent.drain()
+        assert agent.store.value("grad_nonfinite_passes_total", ()) is None
+
+
+def test_parameters_with_freed_storage_are_skipped() -> None:
+    """FSDP frees unsharded storage: such parameters are not read."""
+    with autograd_agent() as agent:
+        weight = torch.nn.Parameter(torch.ones(3))
+        (weight * 2).sum().backward()
+        weight.grad = torch.full((3,), math.nan)
+        weight.data.untyped_storage().resize_(0)
+        (torch.ones(3, requires_grad=True) * weight.grad.new_ones(3)).sum().backward()
+        agent.drain()
+        assert agent.store.value("grad_nonfinite_passes_total", ()) is None
+
+
+class _User(torch.nn.Module):
+    """A user's module with a child that happens to be called `module`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(2, 2)
+
+
+def test_wrapper_prefixes_are_stripped_at_wrapper_boundaries_only() -> None:
+    """_orig_mod (compile) and module (DataParallel) go; a user's own `module` child stays."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = torch.nn.Sequential(_User(), checkpoint_wrapper(torch.nn.Linear(2, 2)))
+    wrapped = torch.compile(torch.nn.DataParallel(inner), backend="eager")
+    names = sorted(name for _, name in parameter_names(wrapped).values())
+    assert ["0.module.bias", "0.module.weight", "1.bias", "1.weight"] == names
+
+
+def test_resolver_finds_names_from_the_live_modules() -> None:
+    """A parameter of any live module tree is named from its root; strangers get a shape."""
+    model = torch.compile(tiny_transformer(), backend="eager")
+    resolver = NameResolver()
+    param = model._orig_mod.layers[0].self_attn.out_proj.weight
+    assert "layers.0.self_attn.out_proj.weight" == resolver.name(param)
+    assert "<unnamed (3,)>" == resolver.name(torch.nn.Parameter(torch.ones(3)))

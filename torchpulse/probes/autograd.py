@@ -1,0 +1,301 @@
+"""Autograd probe: passes by kind and time, sampled per-node timing, non-finite gradients.
+
+Every pass goes through `torch.autograd.graph._engine_run_backward`, which
+`torch.autograd` also imports under its own name; both references are
+replaced by a wrapper, so `loss.backward()`, `torch.autograd.backward`,
+`torch.autograd.grad` and compiled-autograd passes are all seen. The wrapper
+costs two clock reads and one record on ordinary passes. Every Nth pass it
+hooks the graph's nodes for timing (`autograd_nodes`), and after passes that
+accumulate into `.grad` it queues a device-side non-finite check
+(`autograd_nonfinite`) that is read back later without a sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.autograd
+import torch.autograd.graph
+
+from torchpulse.probes.autograd_config import AutogradConfig
+from torchpulse.probes.autograd_names import NameResolver
+from torchpulse.probes.autograd_nodes import (
+    NodeTime,
+    PassTimer,
+    PassTiming,
+    format_grad_outputs,
+    iter_graph,
+    roots_of,
+)
+from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
+from torchpulse.probes.base import Probe
+from torchpulse.probes.store import BoundedLabel
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
+
+# Passes between parameter discoveries when node timing is switched off.
+DISCOVER_EVERY = 100
+# Non-traced tensor types take the fast path; anything else is checked for fake/functional.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Patch:
+    """Replaces a module attribute; `remove()` restores it unless someone patched over us."""
+
+    def __init__(self, owner: Any, attr: str, replacement: Callable[..., Any]) -> None:
+        self._owner, self._attr, self._replacement = owner, attr, replacement
+        self.original: Callable[..., Any] = getattr(owner, attr)
+        setattr(owner, attr, replacement)
+
+    def remove(self) -> None:
+        # A later patcher captured our wrapper; it passes through once we are disabled.
+        if getattr(self._owner, self._attr) is self._replacement:
+            setattr(self._owner, self._attr, self.original)
+
+
+@dataclass
+class _Plan:
+    kind: str
+    index: int
+    accumulate: bool
+    timer: PassTimer | None = None
+    sampled: bool = False
+    logged: bool = False
+
+
+@dataclass(frozen=True)
+class SampledPass:
+    """The last timed pass, kept for `torchpulse status`."""
+
+    pass_index: int
+    kind: str
+    seconds: float
+    node_seconds: float
+    slowest: tuple[NodeTime, ...]
+
+
+class AutogradProbe(Probe):
+    name = "autograd"
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.config = AutogradConfig.from_options(agent.config.options)
+        self._sample_every = self.config.sample_every
+        self._countdown = 0  # the first pass is timed: it also discovers the parameters
+        self._log_left = self.config.log_passes
+        self._control: dict[str, int] = {}
+        self._passes = 0
+        self._discovered = False
+        self._check = GradCheck(self.config.max_pending_checks)
+        self._names = NameResolver()
+        self._node_label = BoundedLabel(self.config.top_nodes)
+        self._torch_logging_noted = False
+        self.last_sample: SampledPass | None = None
+
+    # -- live control (applied at the next pass boundary) -------------------
+    def set_sample_every(self, n: int) -> None:
+        """Time the nodes of every `n`th pass from the next pass on; 0 switches timing off."""
+        if n < 0:
+            raise ValueError("sample_every must be >= 0")
+        self._control["sample_every"] = n
+
+    def log_next_passes(self, n: int) -> None:
+        """Emit one structured event per executed node for the next `n` passes."""
+        if n < 0:
+            raise ValueError("log_next_passes needs n >= 0")
+        self._control["log_passes"] = n
+
+    def _apply_control(self) -> None:
+        # pop() is atomic, so a request arriving from the control thread meanwhile is kept.
+        sample_every = self._control.pop("sample_every", None)
+        if sample_every is not None:
+            self._sample_every = sample_every
+            # A shorter period takes effect now, not after the old countdown.
+            self._countdown = min(self._countdown, (sample_every or DISCOVER_EVERY) - 1)
+        log_passes = self._control.pop("log_passes", None)
+        if log_passes is not None:
+            self._log_left = log_passes
+
+    def status(self) -> dict[str, object]:
+        """Plain values for `torchpulse status`: settings and the last timed pass."""
+        sample = self.last_sample
+        return {
+            "passes": self._passes,
+            "sample_every": self._sample_every,
+            "logging_passes_left": self._log_left,
+            "parameters_checked": self._check.known,
+            "last_sampled_pass": None if sample is None else {
+                "pass_index": sample.pass_index, "kind": sample.kind, "seconds": sample.seconds,
+                "node_seconds": sample.node_seconds,
+                "slowest": [(n.name, n.sequence_nr, n.seconds) for n in sample.slowest],
+            },
+        }
+
+    # -- install ------------------------------------------------------------
+    def _install(self) -> None:
+        graph_patch = _Patch(torch.autograd.graph, "_engine_run_backward",
+                             self._wrap(torch.autograd.graph._engine_run_backward))
+        self._keep(graph_patch)
+        # Usually the same function; wrap separately if someone patched only one.
+        current = torch.autograd._engine_run_backward  # type: ignore[attr-defined]
+        same = current is graph_patch.original
+        wrapper = graph_patch._replacement if same else self._wrap(current)
+        self._keep(_Patch(torch.autograd, "_engine_run_backward", wrapper))
+
+    def _uninstalled(self) -> None:
+        self._check.clear()
+        self._names = NameResolver()
+        self._discovered = False
+        self.last_sample = None
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        probe, agent = self, self.agent
+        is_compiling, clock = torch.compiler.is_compiling, time.perf_counter
+
+        @functools.wraps(original)
+        def _engine_run_backward(t_outputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+            # AOTAutograd traces the joint graph through here at compile time.
+            if not (probe.enabled and agent.enabled) or is_compiling():
+                return original(t_outputs, *args, **kwargs)
+            plan = probe._begin(t_outputs, args, kwargs)
+            if plan is None:
+                return original(t_outputs, *args, **kwargs)
+            start = clock()
+            ok = False
+            try:
+                result = original(t_outputs, *args, **kwargs)
+                ok = True
+                return result
+            finally:
+                probe._end(plan, clock() - start, ok)
+
+        return _engine_run_backward
+
+    # -- training thread ----------------------------------------------------
+    def _begin(self, t_outputs: Sequence[Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> _Plan | None:
+        try:
+            return self._plan(t_outputs, args, kwargs)
+        except Exception as exc:  # probe bugs must never reach the job
+            self.fail(exc)
+            return None
+
+    def _plan(self, t_outputs: Sequence[Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> _Plan | None:
+        first = t_outputs[0] if len(t_outputs) else None
+        if first is not None and type(first) not in _PLAIN and _is_traced(first):
+            return None
+        if torch._C._current_autograd_node() is not None:
+            # A pass started inside a node (reentrant checkpointing): its time is the node's.
+            return _Plan("reentrant", -1, accumulate=False)
+        compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+        compiled = bool(getattr(compiled_autograd, "compiled_autograd_enabled", False))
+        accumulate = bool(kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True))
+        kind = "compiled_autograd" if compiled else ("backward" if accumulate else "grad")
+        if self._control:
+            self._apply_control()
+        plan = _Plan(kind, self._passes, accumulate)
+        self._passes += 1
+        self._countdown -= 1
+        due = self._countdown < 0
+        if due:
+            self._countdown = (self._sample_every or DISCOVER_EVERY) - 1
+        # Compiled autograd: hooks would be traced into its graph and change its
+        # cache key, so its passes are neither timed nor logged (reading is fine).
+        plan.logged = not compiled and self._log_left > 0 and not self._torch_logs_nodes()
+        if self._log_left > 0 and not compiled:
+            self._log_left -= 1
+        plan.sampled = not compiled and due and self._sample_every > 0
+        discover = accumulate and self.config.nonfinite and (due or not self._discovered)
+        if plan.sampled or plan.logged:
+            plan.timer = PassTimer(roots_of(t_outputs), detailed=plan.logged,
+                                   on_parameter=self._check.track)
+        elif discover:
+            for node in iter_graph(roots_of(t_outputs)):
+                variable = getattr(node, "variable", None)
+                if isinstance(variable, torch.Tensor):
+                    self._check.track(variable)
+        self._discovered = self._discovered or (discover and self._check.known > 0)
+        return plan
+
+    def _torch_logs_nodes(self) -> bool:
+        """True when torch's own DEBUG logging hooks run: a second set would only add cost."""
+        if logging.getLogger("torch.autograd.graph").getEffectiveLevel() > logging.DEBUG:
+            return False
+        if not self._torch_logging_noted:
+            self._torch_logging_noted = True
+            self.agent.emit("info", "autograd.logging_deferred",
+                            reason="torch.autograd.graph logger at DEBUG: torch logs every node")
+        return True
+
+    def _end(self, plan: _Plan, seconds: float, ok: bool) -> None:
+        try:
+            timing = plan.timer.finish(self.config.slowest_kept) if plan.timer is not None else None
+            self.agent.record(self._on_pass, plan.kind, seconds)
+            if plan.timer is not None and plan.timer.error is not None:
+                raise plan.timer.error
+            if timing is not None and plan.sampled:
+                self.last_sample = SampledPass(plan.index, plan.kind, seconds,
+                                               timing.node_seconds, timing.slowest)
+                self.agent.record(self._on_sample, timing)
+            if timing is not None and plan.logged:
+                self.agent.record(self._on_logged, plan.index, timing)
+            if ok and plan.accumulate and plan.kind != "reentrant" and self.config.nonfinite:
+                self._check.launch(plan.index, plan.kind)
+            results = self._check.poll()
+            if results:
+                self.agent.record(self._on_checked, merge(results))
+        except Exception as exc:  # never into the job; the pass itself already finished
+            self.fail(exc)
+
+    # -- sender thread ------------------------------------------------------
+    def _on_pass(self, kind: str, seconds: float) -> None:
+        self.agent.store.inc("backward_passes_total", (kind,))
+        self.agent.store.observe("backward_duration_seconds", (kind,), seconds)
+
+    def _on_sample(self, timing: PassTiming) -> None:
+        store = self.agent.store
+        store.inc("autograd_sampled_passes_total", ())
+        # Slowest first, so the first sampled pass admits the top K types by time.
+        for name, calls, seconds in sorted(timing.totals, key=lambda t: t[2], reverse=True):
+            label = self._node_label(name)
+            store.inc("autograd_node_seconds_total", (label,), seconds)
+            store.inc("autograd_node_calls_total", (label,), float(calls))
+
+    def _on_logged(self, pass_index: int, timing: PassTiming) -> None:
+        for execution in timing.executions:
+            self.agent.emit("info", "autograd.node", pass_index=pass_index, node=execution.name,
+                            sequence_nr=execution.sequence_nr, seconds=execution.seconds,
+                            grad_outputs=format_grad_outputs(execution.grad_outputs))
+
+    def _on_checked(self, results: list[CheckResult]) -> None:
+        store = self.agent.store
+        for result in results:
+            if self.config.grad_norm:
+                store.set("grad_norm", (), result.norm)
+            if not result.nonfinite:
+                continue
+            store.inc("grad_nonfinite_passes_total", ())
+            store.set("grad_nonfinite_parameters", (), float(len(result.nonfinite)))
+            params = [p for p in (ref() for ref in result.nonfinite) if p is not None]
+            shown = [self._names.name(p) for p in params[: self.config.max_names_logged]]
+            self.agent.emit("warning", "autograd.nonfinite_gradients",
+                            pass_index=result.pass_index, kind=result.kind,
+                            parameters=len(result.nonfinite), checked=result.checked,
+                            names=",".join(shown), names_truncated=len(params) > len(shown))
+
+
+def _is_traced(tensor: Any) -> bool:
+    """Fake or functional tensors: a compile-time trace, not a pass of the job."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(tensor, FakeTensor | FunctionalTensor) or torch._is_functional_tensor(tensor)

@@ -1,0 +1,187 @@
+"""Per-node timing of one autograd pass: walk the graph, hook every node, unhook.
+
+Torch's own logging hooks (`_register_logging_hooks_on_whole_graph`) do the
+same walk but format a string per node. Here the hooks only take timestamps
+into preallocated lists indexed by the node's position in the walk; names and
+shapes are turned into labels and text later, off the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+from torch.utils._dtype_abbrs import dtype_abbrs
+
+# (dtype, shape) of each grad_output, None for an undefined gradient.
+GradShape = tuple[torch.dtype, tuple[int, ...]] | None
+
+
+@dataclass(frozen=True)
+class NodeTime:
+    """One timed execution (detailed mode) or a node's slowest summary."""
+
+    name: str
+    sequence_nr: int
+    seconds: float
+    grad_outputs: tuple[GradShape, ...] = ()
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """What a timed pass leaves behind: per-type totals and the slowest nodes."""
+
+    totals: tuple[tuple[str, int, float], ...]  # (node type, calls, seconds)
+    slowest: tuple[NodeTime, ...]
+    executions: tuple[NodeTime, ...]  # detailed mode only, in execution order
+    node_seconds: float
+
+
+def node_type(node: Node) -> str:
+    """`torch::autograd::AccumulateGrad` -> `AccumulateGrad`; Python nodes keep their class name."""
+    return node.name().rpartition("::")[2]
+
+
+def format_grad_outputs(shapes: Sequence[GradShape]) -> str:
+    """Torch's logging notation: `[f32[8, 128, 256],None]`."""
+    parts = ["None" if s is None else _format_one(*s) for s in shapes]
+    return f"[{','.join(parts)}]"
+
+
+def _format_one(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    return f"{dtype_abbrs.get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
+
+
+def roots_of(outputs: Iterable[Any]) -> list[Node]:
+    """The graph roots of a pass's outputs (tensors or GradientEdges)."""
+    roots: list[Node] = []
+    for output in outputs:
+        if isinstance(output, GradientEdge):
+            roots.append(output.node)
+        elif isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            roots.append(output.grad_fn)
+    return roots
+
+
+def iter_graph(roots: Iterable[Node]) -> Iterator[Node]:
+    """Every node reachable from `roots`, breadth first, each once."""
+    seen: set[Node] = set()
+    queue: deque[Node] = deque()
+    for root in roots:
+        if root not in seen:
+            seen.add(root)
+            queue.append(root)
+    while queue:
+        node = queue.popleft()
+        yield node
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+
+
+class PassTimer:
+    """Pre- and post-hooks on every node of one pass; `finish()` removes them all.
+
+    The hooks never return a value (so gradients are untouched) and never
+    raise: an internal error is stored and reported by `finish()`.
+    """
+
+    def __init__(self, roots: Iterable[Node], *, detailed: bool,
+                 on_parameter: Callable[[torch.Tensor], None]) -> None:
+        self.detailed = detailed
+        self.error: BaseException | None = None
+        self._nodes: list[Node] = []
+        self._handles: list[Any] = []
+        self._starts: list[float] = []
+        self._seconds: list[float] = []
+        self._calls: list[int] = []
+        self._shapes: list[tuple[GradShape, ...]] = []
+        self._order: list[tuple[int, float]] = []
+        try:
+            for index, node in enumerate(iter_graph(roots)):
+                self._nodes.append(node)
+                self._starts.append(0.0)
+                self._seconds.append(0.0)
+                self._calls.append(0)
+                self._shapes.append(())
+                variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter
+                if isinstance(variable, torch.Tensor):
+                    on_parameter(variable)
+                self._handles.append(node.register_prehook(self._make_prehook(index)))
+                self._handles.append(node.register_hook(self._make_posthook(index)))
+        except BaseException:
+            self.remove()
+            raise
+
+    @property
+    def node_count(self) -> int:
+        return len(self._nodes)
+
+    def _make_prehook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
+        starts, shapes, detailed = self._starts, self._shapes, self.detailed
+        clock = time.perf_counter
+
+        def prehook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
+            try:
+                if detailed:
+                    shapes[index] = tuple(None if g is None else (g.dtype, tuple(g.shape))
+                                          for g in grad_outputs)
+                starts[index] = clock()
+            except Exception as exc:  # a hook that raises would fail the user's backward
+                self.error = exc
+
+        return prehook
+
+    def _make_posthook(self, index: int) -> Callable[[Any, Any], None]:
+        starts, seconds, calls, order, clock = (
+            self._starts, self._seconds, self._calls, self._order, time.perf_counter)
+
+        def posthook(_grad_inputs: Any, _grad_outputs: Any) -> None:
+            try:
+                elapsed = clock() - starts[index]
+                seconds[index] += elapsed
+                calls[index] += 1
+                order.append((index, elapsed))
+            except Exception as exc:
+                self.error = exc
+
+        return posthook
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def finish(self, slowest_kept: int) -> PassTiming:
+        """Unhook every node and summarize; drops the references to the graph."""
+        self.remove()
+        totals: dict[str, list[float]] = {}
+        timed: list[NodeTime] = []
+        executions: list[NodeTime] = []
+        for index, node in enumerate(self._nodes):
+            if not self._calls[index]:
+                continue
+            name = node_type(node)
+            entry = totals.setdefault(name, [0, 0.0])
+            entry[0] += self._calls[index]
+            entry[1] += self._seconds[index]
+            timed.append(NodeTime(name, node._sequence_nr(), self._seconds[index]))
+        if self.detailed:
+            for index, elapsed in self._order:
+                node = self._nodes[index]
+                executions.append(NodeTime(node_type(node), node._sequence_nr(), elapsed,
+                                           self._shapes[index]))
+        timed.sort(key=lambda t: t.seconds, reverse=True)
+        self._nodes = []
+        return PassTiming(
+            totals=tuple((name, int(calls), seconds) for name, (calls, seconds) in totals.items()),
+            slowest=tuple(timed[:slowest_kept]),
+            executions=tuple(executions),
+            node_seconds=sum(seconds for _, seconds in totals.values()),
+        )

@@ -1,0 +1,152 @@
+"""Non-finite gradient detection with one fused reduction per device and no host sync.
+
+After a pass that accumulated into `.grad`, the per-parameter L2 norms are
+computed on the device by `torch._foreach_norm` (one kernel launch per device
+for all parameters; NaN/Inf in any element makes the norm non-finite). On CUDA
+the result is copied to pinned host memory with `non_blocking=True` and an
+event is recorded; `poll()` reads only checks whose event has completed, so the
+training thread never waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ParamRef = weakref.ReferenceType[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """A read-back check: which parameters were non-finite, and the global norm."""
+
+    pass_index: int
+    kind: str
+    checked: int
+    nonfinite: tuple[ParamRef, ...]
+    norm: float
+
+
+@dataclass
+class _Pending:
+    pass_index: int
+    kind: str
+    refs: list[ParamRef]
+    norms: torch.Tensor  # host tensor (pinned on CUDA) once copied
+    event: Any  # torch.cuda.Event or None when already on the host
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+
+class GradCheck:
+    """Known parameters (weakly held) and the checks still in flight."""
+
+    def __init__(self, max_pending: int) -> None:
+        self._refs: list[ParamRef] = []
+        self._known: set[int] = set()
+        self._pending: deque[_Pending] = deque()
+        self._max_pending = max_pending
+        self.dropped = 0
+
+    @property
+    def known(self) -> int:
+        return len(self._refs)
+
+    def track(self, param: torch.Tensor) -> None:
+        """Remember a parameter seen as an AccumulateGrad variable (weakly: models come and go)."""
+        key = id(param)
+        if key not in self._known:
+            self._known.add(key)
+            self._refs.append(weakref.ref(param))
+
+    def launch(self, pass_index: int, kind: str) -> None:
+        """Queue the fused norm reduction for every known parameter that has a gradient."""
+        groups: dict[torch.device, tuple[list[ParamRef], list[torch.Tensor]]] = {}
+        alive: list[ParamRef] = []
+        alive_ids: set[int] = set()
+        for ref in self._refs:
+            param = ref()
+            if param is None:
+                continue
+            alive.append(ref)
+            alive_ids.add(id(param))
+            grad = param.grad
+            if grad is None or grad.is_sparse or not grad.is_floating_point():
+                continue
+            # DTensor (FSDP2/TP): reduce the local shard; a collective here
+            # could deadlock ranks that disagree about when to check.
+            grad = getattr(grad, "_local_tensor", grad)
+            # FSDP frees unsharded storage between uses; there is nothing to read.
+            if param.untyped_storage().size() == 0 or grad.untyped_storage().size() == 0:
+                continue
+            refs, grads = groups.setdefault(grad.device, ([], []))
+            refs.append(ref)
+            grads.append(grad)
+        if len(alive) != len(self._refs):
+            self._refs = alive
+            self._known = alive_ids
+        with torch.no_grad():
+            for device, (refs, grads) in groups.items():
+                self._enqueue(_launch_group(pass_index, kind, device, refs, grads))
+
+    def _enqueue(self, pending: _Pending) -> None:
+        if len(self._pending) >= self._max_pending:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append(pending)
+
+    def poll(self) -> list[CheckResult]:
+        """Checks whose results reached the host, oldest first; never waits."""
+        results: list[CheckResult] = []
+        while self._pending and self._pending[0].ready():
+            results.append(_read(self._pending.popleft()))
+        return results
+
+    def clear(self) -> None:
+        self._refs = []
+        self._known = set()
+        self._pending.clear()
+
+
+def _launch_group(pass_index: int, kind: str, device: torch.device,
+                  refs: list[ParamRef], grads: list[torch.Tensor]) -> _Pending:
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    if device.type != "cuda":
+        # CPU ops ran synchronously; other devices read back as on CPU.
+        return _Pending(pass_index, kind, refs, norms.cpu(), None)
+    host = torch.empty(norms.shape, dtype=norms.dtype, pin_memory=True)
+    host.copy_(norms, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return _Pending(pass_index, kind, refs, host, event)
+
+
+def _read(pending: _Pending) -> CheckResult:
+    values: list[float] = pending.norms.tolist()
+    nonfinite = tuple(ref for ref, value in zip(pending.refs, values, strict=True)
+                      if not math.isfinite(value))
+    # Squares are >= 0, so fsum sees no inf - inf: NaN stays NaN, Inf stays Inf.
+    norm = math.sqrt(math.fsum(v * v for v in values))
+    return CheckResult(pending.pass_index, pending.kind, len(values), nonfinite, norm)
+
+
+def merge(results: Iterable[CheckResult]) -> list[CheckResult]:
+    """One result per pass when a pass spanned several devices."""
+    merged: dict[int, CheckResult] = {}
+    for result in results:
+        previous = merged.get(result.pass_index)
+        if previous is None:
+            merged[result.pass_index] = result
+            continue
+        norm = math.hypot(previous.norm, result.norm)
+        merged[result.pass_index] = CheckResult(
+            result.pass_index, result.kind, previous.checked + result.checked,
+            previous.nonfinite + result.nonfinite, norm)
+    return list(merged.values())
