@@ -149,4 +149,5 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
         assert probe is not None, name
         probe.install()
         agent.probes[name] = probe
+    agent.control.install()
     return agent

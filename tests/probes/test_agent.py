@@ -119,7 +119,8 @@ def test_uninstall_removes_the_global_optimizer_hooks() -> None:
 
     before = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
     agent = _agent()
-    assert (before[0] + 1, before[1] + 1) == (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    # The probe's pre and post hooks, plus the agent's own step-boundary post-hook.
+    assert (before[0] + 1, before[1] + 2) == (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
     agent.shutdown()
     assert before == (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
 

@@ -13,6 +13,7 @@ import grp
 import itertools
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,14 @@ def current_step(state: RankState) -> int:
     return 0
 
 
+def _rate(state: RankState) -> float:
+    """Smoothed steps/s, or the average since the rank connected while too few batches came in."""
+    if state.step_rate > 0:
+        return state.step_rate
+    elapsed = time.monotonic() - state.connected_at
+    return current_step(state) / elapsed if elapsed > 0 else 0.0
+
+
 class ControlHub:
     def __init__(self, registry: Registry, control_group: Callable[[], str]) -> None:
         self.registry = registry
@@ -108,7 +117,7 @@ class ControlHub:
         ranks = [s for s in states if s.connected]
         if not ranks:
             return 1
-        lead = max(MIN_TRACE_LEAD_STEPS, max(math.ceil(s.step_rate * TRACE_LEAD_SECONDS) for s in ranks))
+        lead = max(MIN_TRACE_LEAD_STEPS, max(math.ceil(_rate(s) * TRACE_LEAD_SECONDS) for s in ranks))
         return max(current_step(s) for s in ranks) + lead
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],

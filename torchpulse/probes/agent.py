@@ -147,6 +147,7 @@ class Agent:
         for probe in list(self.probes.values()):
             probe.uninstall()
         self.probes.clear()
+        self.control.uninstall()
         if sender is not None and os.getpid() == self.pid:
             sender.stop(timeout)
         self.enabled = False

@@ -78,6 +78,7 @@ def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | N
             if probe is not None:
                 probe.install()
                 agent.probes[name] = probe
+        agent.control.install()
         agent.start()
         _agent = agent
         if not _fork_hook_registered:

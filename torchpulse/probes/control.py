@@ -10,8 +10,10 @@ stops right after step S+N-1 finished, so it covers steps S..S+N-1 exactly.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +50,8 @@ class _Trace:
 class Control:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self._first: weakref.ref[Any] | None = None
+        self._handle: Any = None
         self._pending: deque[Command] = deque()
         self.results: deque[CommandResult] = deque()
         self._trace: _Trace | None = None
@@ -62,6 +66,39 @@ class Control:
             "trace": self._start_trace,
             "cudagraph-dump": self._cudagraph_dump,
         }
+
+    # -- the step boundary ----------------------------------------------------
+    def install(self) -> None:
+        """Count steps and apply commands from a hook of our own, independent of any probe,
+        so that `ctl disable optimizer` can be undone by `ctl enable optimizer`."""
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        if self._handle is None:
+            hook = torch.compiler.disable(self._after_step)  # type: ignore[no-untyped-call]
+            self._handle = register_optimizer_step_post_hook(hook)
+
+    def uninstall(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+
+    def _after_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if not self.agent.enabled:
+            return
+        try:
+            first = self._first() if self._first is not None else None
+            if first is None:
+                self._first = weakref.ref(optimizer)
+            elif first is not optimizer:
+                return
+            if _nested_step():
+                return
+            self.agent.step += 1
+            if self.armed:
+                self.safe_point()
+        except Exception as exc:  # never into the job
+            log.warning("step boundary hook failed", error=repr(exc))
 
     # -- sender thread --------------------------------------------------------
     def receive(self, command: Command) -> None:
@@ -222,6 +259,29 @@ class Control:
             if trace.profiler is not None:
                 _stop_quietly(trace.profiler)
             self._answer(trace.command, False, f"trace failed: {exc!r}", {})
+
+
+_OPTIMIZER_FILE = "optim/optimizer.py"
+
+
+def _nested_step() -> bool:
+    """True inside the inner call when a subclass's step() calls super().step().
+
+    Torch wraps both methods, so the post-hooks run twice for one step; the
+    outer wrapper frame sits a couple of frames above the inner one.
+    """
+    frame = sys._getframe(1)
+    seen = 0
+    for _ in range(16):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "wrapper" and code.co_filename.endswith(_OPTIMIZER_FILE):
+            seen += 1
+            if seen == 2:
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _start_profiler() -> Any:

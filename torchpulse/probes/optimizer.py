@@ -48,11 +48,10 @@ def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "first", "frame", "label", "nested", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "frame", "label", "nested", "rescan", "started", "state_len", "steps")
 
-    def __init__(self, label: str, first: bool) -> None:
+    def __init__(self, label: str) -> None:
         self.label = label
-        self.first = first
         self.started: float | None = None
         # A subclass whose step() calls super().step() runs torch's hooked
         # wrapper twice; the outer wrapper's frame tells nesting from a step
@@ -115,8 +114,7 @@ class OptimizerProbe(Probe):
             tracked.nested = 0
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
-        index = next(self._ids)
-        tracked = _Tracked(f"{type(optimizer).__name__}#{index}", index == 0)
+        tracked = _Tracked(f"{type(optimizer).__name__}#{next(self._ids)}")
         self._tracked[optimizer] = tracked
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
@@ -161,12 +159,6 @@ class OptimizerProbe(Probe):
             tracked.state_len = state_len
             sizes = measure(optimizer)
         self.agent.record(self._on_step, tracked.label, duration, learning_rates(optimizer.param_groups), sizes)
-        if tracked.first:
-            agent = self.agent
-            agent.step = tracked.steps
-            # Step boundary of the first optimizer: where daemon commands apply.
-            if agent.control.armed:
-                agent.control.safe_point()
 
     # -- sender thread -----------------------------------------------------
     def _on_step(self, label: str, duration: float, rates: tuple[float | None, ...], sizes: Sizes | None) -> None:

@@ -7,12 +7,14 @@ and discrete events are dropped and counted once their bounded queue fills.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torchpulse
 from torchpulse.framing import FrameReader
@@ -48,7 +50,11 @@ class Sender(threading.Thread):
         self.agent = agent
         self.config = agent.config
         self._stop_event = threading.Event()
-        self._wake = threading.Event()
+        # A pipe rather than an Event, so one select() waits for a wake-up and
+        # for commands from the daemon at once: commands apply within ms.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._flushed = threading.Condition()
         self._flush_generation = 0
         self._completed_generation = 0
@@ -69,31 +75,54 @@ class Sender(threading.Thread):
             self._flush_generation += 1
             wanted = self._flush_generation
             self._next_attempt = 0.0
-            self._wake.set()
+            self.wake()
             self._flushed.wait_for(lambda: self._completed_generation >= wanted, timeout)
             return self._completed_generation >= wanted and self._last_flush_ok
 
     def wake(self) -> None:
-        self._wake.set()
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"!")
 
     def stop(self, timeout: float) -> None:
         self._stop_event.set()
         self._next_attempt = 0.0
-        self._wake.set()
+        self.wake()
         self.join(timeout)
 
     # -- the thread ---------------------------------------------------------
     def run(self) -> None:
         try:
+            next_flush = time.monotonic() + self.config.flush_interval
             while not self._stop_event.is_set():
-                self._wake.wait(self.config.flush_interval)
-                self._wake.clear()
-                self._cycle()
+                if self._wait(next_flush):
+                    next_flush = time.monotonic() + self.config.flush_interval
+                    self._cycle()
+                else:
+                    self._service_commands()
             self._cycle(final=True)
         except Exception as exc:  # a bug here must not take the job down, only the agent
             log.warning("agent sender stopped after an internal error", error=repr(exc))
         finally:
             self._close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _wait(self, deadline: float) -> bool:
+        """Sleep until the deadline, a wake-up, or daemon input; True when a full cycle is due."""
+        waitables: list[Any] = [self._wake_r]
+        if self._sock is not None:
+            waitables.append(self._sock)
+        ready, _, _ = select.select(waitables, [], [], max(0.0, deadline - time.monotonic()))
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            return True
+        return not ready or time.monotonic() >= deadline
+
+    def _service_commands(self) -> None:
+        """Only daemon input arrived: read commands and send any results, nothing else."""
+        if self._sock is not None:
+            self._read_incoming()
 
     def _cycle(self, final: bool = False) -> None:
         with self._flushed:

@@ -1,0 +1,190 @@
+"""`torchpulse ctl` against real training processes and a real daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
+from torchpulse import cli
+from torchpulse.protocol import Batch, Hello, Sample, encode
+
+
+def _jobs(daemon: DaemonProcess, run: str, steps: int, sleep: float, ranks: int = 2) -> list[subprocess.Popen[str]]:
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, "-m",
+             "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", str(sleep)],
+            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=daemon.env(RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
+        for rank in range(ranks)
+    ]
+
+
+def _ctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torchpulse", "ctl", *args, "--socket", str(daemon.socket_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=daemon.env())
+
+
+def _ctl_as_user(uid: int, argv: list[str]) -> tuple[int, str]:
+    """Run the ctl CLI code in a forked child that dropped to `uid` (the venv's python is not
+    executable by other users here, so the child runs the CLI in-process instead of exec'ing)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 99
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = cli.main(argv)
+            os.write(write_end, err.getvalue().encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        stderr = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), stderr
+
+
+def _wait_connected(daemon: DaemonProcess, run: str, ranks: int = 2) -> None:
+    wait_for(lambda: ranks == sum(select(daemon.scrape(), "torchpulse_agent_up", run=run).values()), timeout=60)
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(30)
+
+
+def test_trace_on_two_ranks_covers_the_same_requested_steps(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """Both ranks write a Chrome trace of exactly N optimizer steps, starting at the same step."""
+    procs = _jobs(daemon, "tr", steps=400, sleep=0.01)
+    try:
+        _wait_connected(daemon, "tr")
+        result = _ctl(daemon, "trace", "--run", "tr", "--steps", "5", "--out", str(tmp_path), "--timeout", "60")
+        assert 0 == result.returncode, result.stdout + result.stderr
+        lines = result.stdout.splitlines()
+        assert 2 == len(lines)
+        starts = set()
+        for line in lines:
+            fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            starts.add((fields["first_step"], fields["last_step"]))
+            events = json.loads(Path(fields["path"]).read_text())["traceEvents"]
+            steps = [e for e in events if str(e.get("name", "")).startswith("Optimizer.step#AdamW.step")]
+            assert 5 == len(steps)
+        assert 1 == len(starts)
+        first, last = starts.pop()
+        assert 4 == int(last) - int(first)
+    finally:
+        _stop(procs)
+
+
+def test_disable_takes_effect_at_the_next_step_and_enable_resumes(daemon: DaemonProcess) -> None:
+    """After `ctl disable optimizer` the step counter stops moving; `ctl enable` makes it move again."""
+    procs = _jobs(daemon, "ed", steps=100000, sleep=0.005, ranks=1)
+
+    def steps() -> float:
+        return sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="ed").values())
+
+    try:
+        _wait_connected(daemon, "ed", 1)
+        assert 0 == _ctl(daemon, "disable", "optimizer", "--run", "ed").returncode
+        time.sleep(0.6)  # one flush interval and more
+        frozen = steps()
+        time.sleep(0.8)
+        assert frozen == steps()
+        assert 0 == _ctl(daemon, "enable", "optimizer", "--run", "ed").returncode
+        wait_for(lambda: steps() > frozen, timeout=10)
+        assert procs[0].poll() is None
+    finally:
+        _stop(procs)
+
+
+def test_a_rank_that_cannot_answer_times_out_and_a_gone_rank_is_reported(daemon: DaemonProcess) -> None:
+    """A stopped rank (alive, not stepping) times out; the other answers; a killed rank is not_connected."""
+    procs = _jobs(daemon, "dead", steps=100000, sleep=0.005)
+    try:
+        _wait_connected(daemon, "dead")
+        procs[1].send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        result = _ctl(daemon, "enable", "optimizer", "--run", "dead", "--timeout", "2")
+        assert time.monotonic() - started < 20
+        assert 1 == result.returncode
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith("rank   0  ok")
+        assert lines[1].startswith("rank   1  timeout       no answer within 2s")
+        procs[1].kill()
+        procs[1].wait(30)
+        wait_for(lambda: 1 == sum(select(daemon.scrape(), "torchpulse_agent_up", run="dead").values()))
+        gone = _ctl(daemon, "status", "--run", "dead", "--rank", "1", "--timeout", "2")
+        assert (1, "rank   1  not_connected rank is not connected") == (gone.returncode, gone.stdout.strip())
+    finally:
+        _stop(procs)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_a_caller_outside_the_allowed_users_is_refused() -> None:
+    """Another user who can reach the socket gets a clear refusal, and the daemon logs who asked."""
+    shared = Path(tempfile.mkdtemp(prefix="torchpulse-ctl-"))
+    shared.chmod(0o755)
+    daemon = start_daemon(shared)
+    try:
+        daemon.socket_path.chmod(0o666)
+        code, stderr = _ctl_as_user(65534, ["ctl", "status", "--run", "any", "--socket", str(daemon.socket_path)])
+        assert (1, "torchpulse: refused: uid 65534 may not send commands (allowed: root, the daemon's user)\n") == (
+            code, stderr)
+        wait_for(lambda: any(e.get("event") == "command refused" and e.get("uid") == 65534
+                             for e in daemon.log_lines()))
+    finally:
+        daemon.stop()
+
+
+def test_commands_are_not_starved_by_heavy_event_traffic(daemon: DaemonProcess) -> None:
+    """While four connections flood the daemon with batches, a status command still answers quickly."""
+    procs = _jobs(daemon, "busy", steps=100000, sleep=0.005, ranks=1)
+    stop = threading.Event()
+
+    def flood(index: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(daemon.socket_path))
+            sock.sendall(encode(Hello(f"flood{index}", 0, 0, 1, os.getpid(), "h", "2.13", "0.1.0", "x", 0.0)))
+            frame = encode(Batch(1, 0.0, [Sample("optimizer_steps_total", (f"SGD#{i}",), 1.0) for i in range(500)],
+                                 [], []))
+            while not stop.is_set():
+                sock.sendall(frame)
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(4)]
+    try:
+        _wait_connected(daemon, "busy", 1)
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        result = _ctl(daemon, "status", "--run", "busy", "--timeout", "10")
+        elapsed = time.monotonic() - started
+        assert 0 == result.returncode, result.stdout + result.stderr
+        assert elapsed < 8, elapsed
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+        _stop(procs)
