@@ -27,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--socket", type=str, help="daemon socket")
     status.add_argument("--json", action="store_true", help="print JSON")
 
+    attach = sub.add_parser("attach", help="inject the agent into a running process (Python >= 3.14)")
+    attach.add_argument("pid", type=int)
+    attach.add_argument("--socket", type=str, help="daemon socket")
+    attach.add_argument("--run-name", type=str, help="run label")
+
     sub.add_parser("check", help="validate a DCP checkpoint directory", add_help=False)
     _add_ctl(sub)
     return parser
@@ -76,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _status(args.socket, args.json)
     if args.command == "ctl":
         return _ctl(args)
+    if args.command == "attach":
+        from torchpulse.remote_attach import attach_pid
+
+        return attach_pid(args.pid, args.socket, args.run_name)
     return 2
 
 

@@ -38,6 +38,9 @@ class Agent:
         self.store = MetricStore()
         self.probes: dict[str, Any] = {}
         self._buffer: deque[Record] = deque()
+        # The agent's own bookkeeping (probe enabled, probe errors): sent, but
+        # not a sign that this process trains, so it does not make it connect.
+        self._quiet: deque[Record] = deque()
         self._capacity = config.buffer_capacity
         self._buffer_drops = 0
         self._reported_drops: dict[str, int] = {}
@@ -62,6 +65,13 @@ class Agent:
         else:
             self._buffer_drops += 1
 
+    def record_quiet(self, handler: Callable[..., None], *payload: Any) -> None:
+        """Like `record`, for bookkeeping that alone must not make the process connect."""
+        if len(self._quiet) < self._capacity:
+            self._quiet.append((handler, payload))
+        else:
+            self._buffer_drops += 1
+
     # -- sender-thread side -------------------------------------------------
     def emit(self, level: str, event: str, **fields: FieldValue) -> None:
         """Queue a structured event for the daemon's log (any thread)."""
@@ -75,9 +85,13 @@ class Agent:
 
     def drain(self) -> None:
         """Fold every queued record into the store (sender thread only)."""
-        buffer = self._buffer
-        if buffer or self._events:
+        if self._buffer or self._events:
             self.active = True
+        self._drain(self._quiet)
+        self._drain(self._buffer)
+        self._sync_drop_counters()
+
+    def _drain(self, buffer: deque[Record]) -> None:
         while True:
             try:
                 handler, payload = buffer.popleft()
@@ -92,7 +106,6 @@ class Agent:
                     fail(exc)
                 else:
                     log.warning("dropped a record that failed to aggregate", error=repr(exc))
-        self._sync_drop_counters()
 
     def _sync_drop_counters(self) -> None:
         for reason, total in (("buffer_full", self._buffer_drops), ("events_overflow", self._event_drops)):
@@ -156,5 +169,6 @@ class Agent:
         """In a forked child: no agent unless the child asks for one."""
         self.enabled = False
         self._buffer.clear()
+        self._quiet.clear()
         self._events.clear()
         self._sender = None

@@ -57,7 +57,7 @@ class Probe:
             self._install()
         self.enabled = True
         self._handle = ProbeHandle(self)
-        self.agent.record(self._set_enabled_gauge, 1.0)
+        self.agent.record_quiet(self._set_enabled_gauge, 1.0)
         return self._handle
 
     def uninstall(self) -> None:
@@ -66,7 +66,7 @@ class Probe:
         if self._handle is not None:
             self._handle = None
             self._uninstalled()
-            self.agent.record(self._set_enabled_gauge, 0.0)
+            self.agent.record_quiet(self._set_enabled_gauge, 0.0)
         if inside_hook():
             # Removing a hook while torch loops over its hook dict raises
             # "OrderedDict mutated during iteration" in the job. The hooks stay
@@ -95,7 +95,7 @@ class Probe:
             return
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.warning("probe failed and disabled itself; training continues", probe=self.name, error=summary)
-        self.agent.record(self._count_error)
+        self.agent.record_quiet(self._count_error)
         try:
             self.uninstall()
         except Exception:  # a broken uninstall must not reach the job either
