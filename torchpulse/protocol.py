@@ -78,6 +78,32 @@ class Batch(msgspec.Struct, tag="batch", frozen=True):
     events: list[LogEvent]
 
 
+# A checkpoint save announced by the agent's `checkpoint` probe travels as a
+# LogEvent with this name and CheckpointSaved's fields, so it is logged like
+# any event and rides the agent's bounded, resent-on-reconnect event queue.
+CHECKPOINT_SAVED_EVENT: Final = "checkpoint saved"
+
+
+class CheckpointSaved(msgspec.Struct, frozen=True):
+    """A torch.distributed.checkpoint save that returned (or whose async upload finished)."""
+
+    path: str
+    api: str  # save | async_save
+    duration_seconds: float
+    # Only rank 0 asks, so a checkpoint on shared storage is validated by one node.
+    validate: bool
+
+
+def checkpoint_saved(event: LogEvent) -> CheckpointSaved | None:
+    """The announcement carried by `event`, or None when it is not one (or malformed)."""
+    if event.event != CHECKPOINT_SAVED_EVENT:
+        return None
+    try:
+        return msgspec.convert(event.fields, CheckpointSaved)
+    except msgspec.ValidationError:
+        return None
+
+
 class Goodbye(msgspec.Struct, tag="bye", frozen=True):
     """Sent by an agent whose process is exiting normally."""
 

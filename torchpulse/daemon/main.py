@@ -8,8 +8,8 @@ from pathlib import Path
 
 import structlog
 
+from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
-from torchpulse.daemon import logs, systemd
 from torchpulse.daemon.config import ConfigError
 from torchpulse.daemon.service import Daemon
 
@@ -26,6 +26,7 @@ def run_daemon(config_path: str | None, socket: str | None, listen: str | None, 
         )
         if listen is not None:
             config_module.parse_listen(listen)
+        checkpoint_config.from_config(config)
     except ConfigError as exc:
         print(f"torchpulse: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from torchpulse.daemon.registry import Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
     HEADER_SIZE,
     Batch,
+    CheckpointSaved,
     CommandResult,
     CtlReply,
     CtlRequest,
@@ -37,6 +38,7 @@ from torchpulse.protocol import (
     StatusReply,
     StatusRequest,
     Welcome,
+    checkpoint_saved,
     decode_agent_frame,
     encode,
     parse_header,
@@ -52,8 +54,10 @@ RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestam
 
 
 class AgentServer:
-    def __init__(self, registry: Registry, status: Callable[[], StatusReply], control: ControlHub) -> None:
+    def __init__(self, registry: Registry, status: Callable[[], StatusReply], control: ControlHub,
+                 on_checkpoint: Callable[[str, int, CheckpointSaved], None] | None = None) -> None:
         self.registry = registry
+        self.on_checkpoint = on_checkpoint
         self.status = status
         self.control = control
         self._server: asyncio.AbstractServer | None = None
@@ -109,7 +113,9 @@ class AgentServer:
                         raise FrameError("no_hello", "the first frame of a connection must be hello")
                 elif isinstance(frame, Batch):
                     run, rank = registered
-                    self._log_events(run.name, rank.hello.rank, self.registry.apply(run, rank, frame))
+                    events = self.registry.apply(run, rank, frame)
+                    self._log_events(run.name, rank.hello.rank, events)
+                    self._route_checkpoints(run.name, rank.hello.rank, events)
                 elif isinstance(frame, CommandResult):
                     self.control.resolve(frame)
                 elif isinstance(frame, Goodbye):
@@ -164,6 +170,14 @@ class AgentServer:
                         detail=str(exc), peer=repr(peer))
         with contextlib.suppress(Exception):
             writer.write(encode(ErrorReply(exc.reason, str(exc))))
+
+    def _route_checkpoints(self, run: str, rank: int, events: list[LogEvent]) -> None:
+        if self.on_checkpoint is None:
+            return
+        for event in events:
+            saved = checkpoint_saved(event)
+            if saved is not None:
+                self.on_checkpoint(run, rank, saved)
 
     @staticmethod
     def _log_events(run: str, rank: int, events: list[LogEvent]) -> None:

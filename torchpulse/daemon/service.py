@@ -15,12 +15,14 @@ from pathlib import Path
 import structlog
 
 import torchpulse
+from torchpulse.daemon import checkpoint_config, systemd
 from torchpulse.daemon import config as config_module
-from torchpulse.daemon import systemd
+from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.daemon.config import Config, ConfigError, parse_listen
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
+from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.exporters.http import MetricsServer
 from torchpulse.exporters.prometheus import build_exposition
 from torchpulse.exporters.textfile import write_textfile
@@ -31,6 +33,10 @@ HOUSEKEEPING_INTERVAL = 1.0
 STATUS_INTERVAL = 15.0
 
 
+def _no_checkpoint_summary() -> tuple[int, int]:
+    return 0, 0
+
+
 @dataclass
 class Daemon:
     config: Config
@@ -39,14 +45,17 @@ class Daemon:
     registry: Registry = field(init=False)
     on_ready: list[Callable[[Daemon], None]] = field(default_factory=list)
     # (checkpoint roots, roots whose latest checkpoint is not valid), for STATUS=.
-    checkpoint_summary: Callable[[], tuple[int, int]] = lambda: (0, 0)
+    checkpoint_summary: Callable[[], tuple[int, int]] = _no_checkpoint_summary
 
     def __post_init__(self) -> None:
         runs = self.config.runs
         self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds)
-        self.exposition = build_exposition(self.registry)
+        self.checkpoints = CheckpointService(checkpoint_config.from_config(self.config), self.config.daemon.state_dir)
+        if self.checkpoint_summary is _no_checkpoint_summary:
+            self.checkpoint_summary = self.checkpoints.summary
+        self.exposition = build_exposition(self.registry, extra=[CheckpointCollector(self.checkpoints.stats)])
         self.control = ControlHub(self.registry, lambda: self.config.daemon.control_group)
-        self.agents = AgentServer(self.registry, self.status, self.control)
+        self.agents = AgentServer(self.registry, self.status, self.control, on_checkpoint=self.checkpoints.announce)
         self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False
@@ -87,6 +96,7 @@ class Daemon:
         host, port = parse_listen(daemon_cfg.listen)
         await self.metrics.start(host, port)
         self._prepare_state_dir()
+        await self.checkpoints.start()
         log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
                  socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
                  metrics=f"http://{host}:{self.metrics.port}/metrics")
@@ -104,6 +114,7 @@ class Daemon:
                 watchdog.cancel()
             await self.agents.close()
             await self.metrics.close()
+            await self.checkpoints.close()
 
     def _status_line(self) -> str:
         runs, ranks = self.registry.counts()
@@ -149,6 +160,7 @@ class Daemon:
     def _reload(self) -> None:
         try:
             new = config_module.load(self.config_path)
+            checkpoints = checkpoint_config.from_config(new)
         except ConfigError as exc:
             log.error("config reload failed; keeping the running config", error=str(exc))
             return
@@ -158,6 +170,7 @@ class Daemon:
             log.warning("these keys need a restart to take effect", keys=changed)
         self.registry.series_limit_per_run = new.runs.series_limit_per_run
         self.registry.grace_period = new.runs.grace_period_seconds
+        self.checkpoints.apply_config(checkpoints)
         self.config = config_module.with_overrides(new, socket=self.config.daemon.socket,
                                                    listen=self.config.daemon.listen)
         log.info("config reloaded", path=str(self.config_path))

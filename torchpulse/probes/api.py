@@ -24,6 +24,7 @@ PROBES: dict[str, str] = {
     "compile": "torchpulse.probes.compile:CompileProbe",
     "cudagraphs": "torchpulse.probes.cudagraphs:CudaGraphProbe",
     "autograd": "torchpulse.probes.autograd:AutogradProbe",
+    "checkpoint": "torchpulse.probes.checkpoint:CheckpointProbe",
 }
 MIN_TORCH = (2, 4)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torchpulse.paths import agent_socket_path
 
-DEFAULT_PROBES = ("optimizer", "autograd", "compile", "cudagraphs")
+DEFAULT_PROBES = ("optimizer", "autograd", "compile", "cudagraphs", "checkpoint")
 
 
 @dataclass(frozen=True)

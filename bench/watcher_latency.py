@@ -1,0 +1,122 @@
+"""From `.metadata` appearing to the checkpoint metric updating, under inotify.
+
+Run: `.venv/bin/python bench/watcher_latency.py [--repeats N] [--observer inotify|polling]`.
+
+Starts a real daemon watching a temporary root, then N times: copies a real
+DCP checkpoint's data files into a new step directory, commits it the way DCP
+does (rename `.metadata.tmp` to `.metadata`, time t0), and polls /metrics
+every 5 ms until `torchpulse_checkpoint_validations_total` moves (t1).
+Reports t1 - t0, the validation time the daemon measured for that
+checkpoint, and the difference: the watcher's own latency (event delivery,
+debounce, re-stat, scheduling, scrape polling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SAVE_SCRIPT = REPO / "tests" / "checkpoints" / "ckpt_save.py"
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _validations(url: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("torchpulse_checkpoint_validations_total{"))
+
+
+def _commit(source: Path, target: Path) -> float:
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name != ".metadata":
+            shutil.copy2(item, target / item.name)
+    shutil.copyfile(source / ".metadata", target / ".metadata.tmp")
+    started = time.perf_counter()
+    (target / ".metadata.tmp").rename(target / ".metadata")
+    return started
+
+
+def _durations(log: Path) -> dict[str, float]:
+    found = {}
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("event") == "checkpoint validated":
+            found[entry["path"]] = float(entry["duration_seconds"])
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--observer", choices=["inotify", "polling"], default="inotify")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tp-watch-bench-"))
+    source, root = work / "source", work / "root"
+    root.mkdir()
+    subprocess.run([sys.executable, str(SAVE_SCRIPT), "single", str(source)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = work / "tp.toml"
+    config.write_text(f'[checkpoints]\nroots = [{{ path = "{root}", observer = "{args.observer}" }}]\n'
+                      "poll_interval_seconds = 1\n")
+    port, log = _port(), work / "daemon.log"
+    with log.open("wb") as out:
+        daemon = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--config", str(config),
+                                   "--socket", str(work / "a.sock"), "--listen", f"127.0.0.1:{port}",
+                                   "--state-dir", str(work / "state")], stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=REPO)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _validations(url)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        totals, overheads = [], []
+        for step in range(args.repeats):
+            before = _validations(url)
+            target = root / f"step-{step}"
+            started = _commit(source, target)
+            while _validations(url) == before:
+                time.sleep(0.005)
+            total = time.perf_counter() - started
+            validation = _durations(log).get(str(target), 0.0)
+            totals.append(total)
+            overheads.append(total - validation)
+            print(f"step {step}: metadata -> metric {total:.3f} s  (validation {validation:.3f} s, "
+                  f"watcher {total - validation:.3f} s)")
+        print(f"\n{args.observer}: median metadata -> metric {statistics.median(totals):.3f} s; "
+              f"median watcher latency excluding validation {statistics.median(overheads):.3f} s "
+              f"(target <= 1 s); debounce is 0.2 s of it")
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The checkpoint service in-process, with a fake worker: debounce, de-duplication, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from tests.watcher.conftest import commit_copy
+from torchpulse.checkpoints.model import Level, Status, ValidationResult
+from torchpulse.checkpoints.worker import Limits
+from torchpulse.daemon import checkpoint_runner
+from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.protocol import CheckpointSaved
+
+
+class FakeWorker:
+    """Stands in for the worker process: counts calls and the most that ran at once."""
+
+    def __init__(self, seconds: float = 0.05) -> None:
+        self.seconds = seconds
+        self.calls: list[str] = []
+        self.running = self.most = 0
+
+    async def __call__(self, path: str, level: Level, limits: Limits) -> ValidationResult:
+        self.calls.append(path)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(self.seconds)
+        self.running -= 1
+        return ValidationResult(path, Status.VALID, level, (), {"bytes": 10})
+
+
+async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
+        await asyncio.sleep(0.02)
+
+
+def _run(tmp_path: Path, config: CheckpointsConfig,
+         body: Callable[[CheckpointService], Awaitable[None]]) -> None:
+    async def main() -> None:
+        service = CheckpointService(config, tmp_path / "state")
+        (tmp_path / "state").mkdir(exist_ok=True)
+        await service.start()
+        try:
+            await body(service)
+        finally:
+            await service.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
+    fake = FakeWorker()
+    monkeypatch.setattr(checkpoint_runner, "validate", fake)
+    return fake
+
+
+def test_events_and_announcements_for_one_checkpoint_validate_it_once(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """A commit event, a sweep and two announcements of the same checkpoint make one validation."""
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.1)
+
+    async def body(service: CheckpointService) -> None:
+        commit_copy(saved_checkpoint, root / "step-1")
+        saved = CheckpointSaved(str(root / "step-1"), "save", 0.1, True)
+        service.announce("run", 0, saved)
+        service.announce("run", 0, saved)
+        await service.sweep()
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] >= 1)
+        await asyncio.sleep(0.5)
+
+    _run(tmp_path, config, body)
+    assert [str(root / "step-1")] == worker.calls
+
+
+def test_validations_never_exceed_the_concurrency_limit(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """Five checkpoints committed together run two at a time and all get validated."""
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), max_concurrent_validations=2,
+                               debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        for step in range(5):
+            commit_copy(saved_checkpoint, root / f"step-{step}")
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 5)
+
+    _run(tmp_path, config, body)
+    assert (5, 2) == (len(set(worker.calls)), worker.most)
+
+
+def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """State in SQLite: after a restart only the checkpoint committed while down is validated."""
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.2)
+
+    async def first(service: CheckpointService) -> None:
+        commit_copy(saved_checkpoint, root / "step-1")
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+
+    _run(tmp_path, config, first)
+    commit_copy(saved_checkpoint, root / "step-2")
+
+    async def second(service: CheckpointService) -> None:
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        await service.sweep()
+        assert "valid" == service.stats.root(str(root)).last_status
+
+    _run(tmp_path, config, second)
+    assert [str(root / "step-1"), str(root / "step-2")] == worker.calls
+
+
+def test_an_overwrite_in_place_is_validated_again(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """A new `.metadata` (new inode) in a validated directory is a new checkpoint."""
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.05)
+
+    async def body(service: CheckpointService) -> None:
+        commit_copy(saved_checkpoint, root / "step-1")
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        shutil.rmtree(root / "step-1")
+        commit_copy(saved_checkpoint, root / "step-1")
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 2)
+
+    _run(tmp_path, config, body)
+    assert 2 == len(worker.calls)
+
+
+def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """Removing the root is a logged event, not a crash; once recreated its checkpoints are validated."""
+    from structlog.testing import capture_logs
+
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2,
+                               debounce_seconds=0.05)
+
+    async def body(service: CheckpointService) -> None:
+        await asyncio.sleep(0.2)
+        shutil.rmtree(root)
+        await asyncio.sleep(0.5)
+        root.mkdir()
+        await service.sweep()
+        commit_copy(saved_checkpoint, root / "step-1")
+        await _until(lambda: len(worker.calls) == 1)
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    lost = [e for e in logs if e["event"].startswith("checkpoint root watch lost")]
+    assert ["root_deleted"] == [e["reason"] for e in lost]
+
+
+def test_announced_roots_past_the_cap_fold_into_other(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """Rank 0 announcements add parent roots up to the cap; later ones are validated under root="other"."""
+    config = CheckpointsConfig(max_announced_roots=1, debounce_seconds=0.0)
+    first, second = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
+    commit_copy(saved_checkpoint, first)
+    commit_copy(saved_checkpoint, second)
+
+    async def body(service: CheckpointService) -> None:
+        service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
+        service.announce("b", 0, CheckpointSaved(str(second), "save", 1.0, True))
+        service.announce("b", 1, CheckpointSaved(str(second), "save", 1.0, False))
+        await _until(lambda: len(worker.calls) == 2)
+        await _until(lambda: service.stats.root("other").validations["valid"] == 1)
+
+    _run(tmp_path, config, body)
+    assert sorted([str(first), str(second)]) == sorted(worker.calls)

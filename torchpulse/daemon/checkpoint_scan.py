@@ -1,0 +1,84 @@
+"""What a root holds right now: committed checkpoints and saves that never committed.
+
+Blocking filesystem reads (a network filesystem may stall), so the service
+runs these in a thread. Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from torchpulse.daemon.watcher import is_metadata_name
+
+# Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked.
+MAX_DEPTH: Final = 4
+DATA_SUFFIXES: Final = (".distcp", ".safetensors")
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    path: str
+    key: str
+    committed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Uncommitted:
+    path: str
+    # mtime of the newest data file: the save is given up on this long after it.
+    newest_write: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    committed: list[Committed] = field(default_factory=list)
+    uncommitted: list[Uncommitted] = field(default_factory=list)
+
+
+def _metadata_names(names: list[str]) -> list[str]:
+    found = sorted(name for name in names if is_metadata_name(name))
+    # `.metadata` is the commit marker whenever it is there.
+    return [".metadata"] if ".metadata" in found else found
+
+
+def metadata_key(path: str) -> tuple[str, float] | None:
+    """(inode:mtime_ns:size of the metadata, its mtime), or None when `path` has no metadata."""
+    try:
+        directory = Path(path)
+        names = _metadata_names([entry.name for entry in directory.iterdir()])
+        stats = [(directory / name).stat() for name in names]
+    except OSError:
+        return None
+    if not stats:
+        return None
+    key = ";".join(f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}" for st in stats)
+    return key, max(st.st_mtime for st in stats)
+
+
+def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
+    """Walk `root` (not following symlinks); unreadable directories are skipped."""
+    result = Scan()
+    base_depth = root.rstrip(os.sep).count(os.sep)
+    for dirpath, dirnames, filenames in os.walk(root, onerror=None, followlinks=False):
+        if dirpath.count(os.sep) - base_depth >= max_depth:
+            dirnames.clear()
+        if _metadata_names(filenames):
+            found = metadata_key(dirpath)
+            if found is not None:
+                result.committed.append(Committed(dirpath, *found))
+            # A checkpoint's own subdirectories are not other checkpoints.
+            dirnames.clear()
+            continue
+        data = [name for name in filenames if name.endswith(DATA_SUFFIXES)]
+        if data:
+            newest = 0.0
+            for name in data:
+                try:
+                    newest = max(newest, (Path(dirpath) / name).stat().st_mtime)
+                except OSError:
+                    continue
+            result.uncommitted.append(Uncommitted(dirpath, newest))
+    return result

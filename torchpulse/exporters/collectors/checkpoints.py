@@ -1,0 +1,70 @@
+"""Checkpoint validation results per root, from the daemon's checkpoint watcher."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import accumulate
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from torchpulse.daemon.checkpoint_stats import DURATION_BUCKETS, STATUSES, CheckpointStats
+
+
+class CheckpointCollector:
+    name = "checkpoints"
+
+    def __init__(self, stats: CheckpointStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        validations = CounterMetricFamily("torchpulse_checkpoint_validations",
+                                          "Checkpoint validations finished, by outcome.", labels=["root", "status"])
+        last_validation = GaugeMetricFamily("torchpulse_checkpoint_last_validation_timestamp_seconds",
+                                            "Unix time the last validation under the root finished.", labels=["root"])
+        last_status = GaugeMetricFamily("torchpulse_checkpoint_last_status",
+                                        "1 for the status of the root's newest checkpoint, 0 for the others.",
+                                        labels=["root", "status"])
+        last_valid = GaugeMetricFamily("torchpulse_checkpoint_last_valid_timestamp_seconds",
+                                       "Commit time (metadata mtime) of the root's newest valid checkpoint.",
+                                       labels=["root"])
+        findings = GaugeMetricFamily("torchpulse_checkpoint_findings",
+                                     "Findings of the root's newest checkpoint, by rule and severity.",
+                                     labels=["root", "rule", "severity"])
+        size = GaugeMetricFamily("torchpulse_checkpoint_bytes", "Bytes on disk of the root's newest checkpoint.",
+                                 labels=["root"])
+        incomplete = GaugeMetricFamily("torchpulse_checkpoint_incomplete",
+                                       "Saves under the root with data files but no metadata past the timeout.",
+                                       labels=["root"])
+        for root, stats in sorted(self.stats.roots.items()):
+            for status in STATUSES:
+                # Listed at zero so that increase() alerts have a series from the start.
+                validations.add_metric([root, status], float(stats.validations.get(status, 0)))
+            incomplete.add_metric([root], float(stats.incomplete))
+            if stats.last_validation is not None:
+                last_validation.add_metric([root], stats.last_validation)
+            if stats.last_status is not None:
+                for status in STATUSES:
+                    last_status.add_metric([root, status], 1.0 if status == stats.last_status else 0.0)
+                size.add_metric([root], float(stats.bytes))
+            if stats.last_valid is not None:
+                last_valid.add_metric([root], stats.last_valid)
+            for (rule, severity), count in sorted(stats.findings.items()):
+                findings.add_metric([root, rule, severity], float(count))
+        yield from (validations, last_validation, last_status, last_valid, findings, size, incomplete)
+        yield self._durations()
+
+    def _durations(self) -> Metric:
+        family = HistogramMetricFamily("torchpulse_checkpoint_validation_duration_seconds",
+                                       "Wall time of one checkpoint validation (worker start to result).",
+                                       labels=["level"])
+        bounds = [floatToGoString(b) for b in DURATION_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for level, histogram in sorted(self.stats.durations.items()):
+            cumulative = list(accumulate(histogram.counts))
+            family.add_metric([level], list(zip(bounds, map(float, cumulative), strict=True)), histogram.total)
+        return family

@@ -1,0 +1,159 @@
+"""Checkpoint probe: time `torch.distributed.checkpoint.save`/`async_save` and announce the path.
+
+The daemon validates what rank 0 announces (one node per checkpoint) and
+watches the checkpoint's parent directory from then on. The save itself is
+untouched: same arguments, same return value, its exceptions propagate.
+
+`torch.distributed.checkpoint` takes ~0.9 s to import, so the probe does not
+import it: when the job has not imported it yet, a meta-path hook patches
+`state_dict_saver` right after it executes, before the package's
+`from .state_dict_saver import save, async_save` re-exports the names.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+from torchpulse.probes.base import Probe
+from torchpulse.protocol import CHECKPOINT_SAVED_EVENT
+
+SAVER: Final = "torch.distributed.checkpoint.state_dict_saver"
+PACKAGE: Final = "torch.distributed.checkpoint"
+APIS: Final = ("save", "async_save")
+
+
+def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
+    """Where the save writes: `checkpoint_id`, else the storage writer's `path`, made absolute."""
+    target = kwargs.get("checkpoint_id")
+    if target is None:
+        target = getattr(kwargs.get("storage_writer"), "path", None)
+    if target is None:
+        return None
+    text = os.fspath(target) if isinstance(target, str | os.PathLike) else str(target)
+    # A URL (s3://, fsspec) stays as it is; the daemon ignores what is not a local path.
+    return text if "://" in text else os.path.normpath(Path(text).absolute())
+
+
+class _Patch:
+    """Replaces `saver.<name>`; `remove` restores it and the package's re-export.
+
+    Either is left alone when someone patched over our wrapper since. The
+    package is looked up at removal: under the import hook it re-exported
+    the wrapper after the patch was made.
+    """
+
+    def __init__(self, saver: ModuleType, name: str, original: Any, wrapper: Any) -> None:
+        self.saver, self.name, self.original, self.wrapper = saver, name, original, wrapper
+        setattr(saver, name, wrapper)
+        package = sys.modules.get(PACKAGE)
+        if package is not None and getattr(package, name, None) is original:
+            setattr(package, name, wrapper)
+
+    def remove(self) -> None:
+        for module in (self.saver, sys.modules.get(PACKAGE)):
+            if module is not None and getattr(module, self.name, None) is self.wrapper:
+                setattr(module, self.name, self.original)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback(module)` right after `name` executes, then steps aside."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return None
+        original_exec = loader.exec_module
+        callback = self.callback
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            callback(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def remove(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def _called_by_dcp() -> bool:
+    """True when the caller is torch.distributed.checkpoint itself (saves are rare: a frame look is cheap)."""
+    caller = sys._getframe(2).f_code.co_filename
+    return f"{os.sep}distributed{os.sep}checkpoint{os.sep}" in caller
+
+
+class CheckpointProbe(Probe):
+    name = "checkpoint"
+
+    def _install(self) -> None:
+        saver = sys.modules.get(SAVER)
+        if saver is not None:
+            self._patch(saver)
+        else:
+            hook = _AfterImport(SAVER, self.guard(self._patch))
+            sys.meta_path.insert(0, hook)
+            self._keep(hook)
+
+    def _patch(self, saver: ModuleType) -> None:
+        for api in APIS:
+            original = getattr(saver, api, None)
+            if original is not None:
+                self._keep(_Patch(saver, api, original, self._wrap(api, original)))
+
+    def _wrap(self, api: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        probe, agent = self, self.agent
+        announce = self.guard(self._announce)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # async_save's upload thread calls `save`: that is not a second save.
+            if not (probe.enabled and agent.enabled) or _called_by_dcp():
+                return original(*args, **kwargs)
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            announce(api, kwargs, started, result)
+            return result
+
+        wrapper.__torchpulse_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def _announce(self, api: str, kwargs: dict[str, Any], started: float, result: Any) -> None:
+        path = checkpoint_path(kwargs)
+        if api == "save":
+            self.agent.record(self._saved, api, path, time.perf_counter() - started)
+            return
+        # async_save returns a Future, or an AsyncSaveResponse whose upload is the commit.
+        upload = getattr(result, "upload_completion", result)
+        add_done_callback = getattr(upload, "add_done_callback", None)
+        if add_done_callback is None:
+            return
+
+        def uploaded(future: Any) -> None:
+            if not future.cancelled() and future.exception() is None:
+                self.agent.record(self._saved, api, path, time.perf_counter() - started)
+
+        add_done_callback(self.guard(uploaded))
+
+    def _saved(self, api: str, path: str | None, seconds: float) -> None:
+        """Sender thread: fold into the histogram and queue the announcement."""
+        self.agent.store.observe("checkpoint_save_duration_seconds", (api,), seconds)
+        if path is not None:
+            self.agent.emit("info", CHECKPOINT_SAVED_EVENT, path=path, api=api, duration_seconds=round(seconds, 6),
+                            validate=self.agent.identity.rank == 0)
