@@ -33,7 +33,11 @@ def run_daemon(config_path: str | None, socket: str | None, listen: str | None, 
     logs.configure(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("torchpulse.daemon")
     # Socket activation: systemd holds the agent socket across daemon restarts.
-    passed = systemd.listen_fds_with_names()
+    try:
+        passed = systemd.listen_fds_with_names()
+    except OSError as exc:
+        log.error("LISTEN_FDS names a descriptor that is not open; not starting", error=str(exc))
+        return 1
     inherited = next((sock for name, sock in passed if name == "agent"), None)
     if inherited is None and len(passed) == 1:
         inherited = passed[0][1]
