@@ -1,8 +1,9 @@
 """Data level: stream every item once, check CRC32, stored dtype/shape and state values.
 
-Memory stays bounded by one read buffer (plus one decompressed item for zstd):
-members are read in blocks into a reused buffer, the CRC is updated
-incrementally, and value checks run on the same block. torch is imported only
+Memory stays bounded by two read buffers (plus one decompressed item for zstd):
+members are read in blocks into reused buffers, the CRC is updated
+incrementally, and value checks run on the same block while a second thread
+reads the next block into the other buffer. torch is imported only
 here, lazily, and only to look at numbers (`torch.frombuffer`), never to unpickle.
 """
 
@@ -14,6 +15,7 @@ import pickle
 import struct
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,9 +62,12 @@ class _Accumulator:
 class _ValueCheck:
     """Counts non-finite and negative values block by block (torch imported on first use).
 
-    `torch.isfinite` runs at ~0.4 GB/s on CPU while a sum runs at memory speed, so
-    a block is summed first (NaN/Inf poison the sum) and only counted exactly when
-    the sum is not finite. The sign check is a min, only for second moments.
+    `torch.isfinite` runs at ~0.4 GB/s on CPU while a reduction runs at memory
+    speed, so a block is reduced first and only counted exactly when the
+    reduction says it must be. Without a sign check that reduction is a sum
+    (NaN/Inf poison it; the fastest pass). With one (second moments) it is one
+    `aminmax` pass instead of a sum plus a min: NaN propagates through both,
+    an Inf shows in one of them, and the min gives the sign.
     """
 
     def __init__(self, dtype: str, check_sign: bool) -> None:
@@ -79,9 +84,14 @@ class _ValueCheck:
         t = torch.frombuffer(block, dtype=self.dtype)
         if t.numel() == 0:
             return
-        if not bool(torch.isfinite(t.sum())):
+        if not self.check_sign:
+            if not bool(torch.isfinite(t.sum())):
+                self.nonfinite += int((~torch.isfinite(t)).sum())
+            return
+        low, high = torch.aminmax(t)
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
             self.nonfinite += int((~torch.isfinite(t)).sum())
-        if self.check_sign and bool(t.amin() < 0):
+        if not bool(low >= 0):  # a NaN min hides the sign: count exactly
             self.negative += int((t < 0).sum())
 
 
@@ -109,22 +119,61 @@ class _Source:
         assert self.fd is not None
         return os.pread(self.fd, n, self.base + offset)
 
-    def blocks(self, offset: int, n: int, buf: bytearray) -> Iterator[memoryview]:
-        view = memoryview(buf)
+    def blocks(self, offset: int, n: int, bufs: _Buffers) -> Iterator[memoryview]:
+        """`n` bytes from `offset` in blocks; each view is valid until the next one is asked for."""
+        size = len(bufs.views[0])
         if self.data is not None:
             whole = memoryview(self.data)
-            for at in range(offset, offset + n, len(buf)):
-                yield whole[at : min(at + len(buf), offset + n)]
+            for at in range(offset, offset + n, size):
+                yield whole[at : min(at + size, offset + n)]
             return
-        assert self.fd is not None
+        if n <= size or bufs.pool is None:
+            yield from self._blocks_inline(offset, n, bufs.views[0])
+            return
+        # Read block i+1 on the pool's thread while the caller checks block i
+        # (preadv, CRC and torch reductions all release the GIL).
+        pending = bufs.pool.submit(self._read_block, bufs.views[0], offset, n)
+        done, turn = 0, 0
+        while done < n:
+            view = pending.result()
+            done += len(view)
+            turn ^= 1
+            if done < n:
+                pending = bufs.pool.submit(self._read_block, bufs.views[turn], offset + done, n - done)
+            try:
+                yield view
+            except GeneratorExit:
+                if done < n:  # never leave a read running into a buffer we give back
+                    with contextlib.suppress(Exception):
+                        pending.result()
+                raise
+
+    def _blocks_inline(self, offset: int, n: int, view: memoryview) -> Iterator[memoryview]:
         done = 0
         while done < n:
-            want = min(len(buf), n - done)
-            got = os.preadv(self.fd, [view[:want]], self.base + offset + done)
-            if got <= 0:
-                raise ZipFormatError("unexpected end of file")
-            yield view[:got]
-            done += got
+            got = self._read_block(view, offset + done, n - done)
+            yield got
+            done += len(got)
+
+    def _read_block(self, view: memoryview, offset: int, left: int) -> memoryview:
+        assert self.fd is not None
+        want = min(len(view), left)
+        got = os.preadv(self.fd, [view[:want]], self.base + offset)
+        if got <= 0:
+            raise ZipFormatError("unexpected end of file")
+        return view[:got]
+
+
+class _Buffers:
+    """Two reusable read buffers and, for long members, one read-ahead thread."""
+
+    def __init__(self, block_size: int, read_ahead: bool) -> None:
+        self.views = (memoryview(bytearray(block_size)), memoryview(bytearray(block_size)))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchpulse-read") if read_ahead else None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def read_data(
@@ -170,7 +219,22 @@ def _read_all(
     block_size: int,
 ) -> DataReport:
     acc = _Accumulator([], [], [])
-    buf = bytearray(block_size)
+    buf = _Buffers(block_size, read_ahead=True)
+    try:
+        _read_files(ckpt, value_keys, drop_cache, progress, buf, acc)
+    finally:
+        buf.close()
+    return DataReport(tuple(acc.tensors), tuple(acc.bytes_items), tuple(acc.problems), acc.bytes_read)
+
+
+def _read_files(
+    ckpt: Checkpoint,
+    value_keys: frozenset[str],
+    drop_cache: bool,
+    progress: Progress | None,
+    buf: _Buffers,
+    acc: _Accumulator,
+) -> None:
     by_file: dict[str, list[StorageEntry]] = {}
     for s in ckpt.storage:
         info = ckpt.files.get(s.relative_path)
@@ -207,10 +271,9 @@ def _read_all(
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
-    return DataReport(tuple(acc.tensors), tuple(acc.bytes_items), tuple(acc.problems), acc.bytes_read)
 
 
-def _read_item(ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, buf: bytearray, acc: _Accumulator) -> None:
+def _read_item(ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, buf: _Buffers, acc: _Accumulator) -> None:
     if ckpt.format is Format.SAFETENSORS:
         _read_raw_tensor(ckpt, _Source(fd, entry.offset, entry.length), entry, check, buf, acc)
         return
@@ -266,7 +329,7 @@ def _stream_storage(
     m: Any,
     record: TensorRecord,
     check: bool,
-    buf: bytearray,
+    buf: _Buffers,
     acc: _Accumulator,
     entry: StorageEntry,
 ) -> int:
@@ -309,7 +372,7 @@ def _read_raw_tensor(
     source: _Source,
     entry: StorageEntry,
     check: bool,
-    buf: bytearray,
+    buf: _Buffers,
     acc: _Accumulator,
 ) -> None:
     tensor = ckpt.tensors[entry.key]

@@ -147,7 +147,10 @@ class CudaGraphProbe(Probe):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
         self._tap(tf.CUDAGRAPHS_LOGGER, logging.WARNING, self._on_cudagraphs_record)
-        self._tap(tf.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
+        if tf.cuda_present():
+            # Only a CUDA process builds graph trees; elsewhere a DEBUG level on
+            # torch's logger would be a change with nothing to observe.
+            self._tap(tf.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
         if tf.has("compilation_metrics_log"):
             self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_compile_end)
         if tf.has("compile_callbacks") and tf.has("compile_callback_args"):

@@ -29,8 +29,11 @@ GRAPH_BREAK_LOGGER: Final = "torch._dynamo.symbolic_convert.__graph_breaks"
 # `lastResort` prints them: a tap must be a filter, never a handler.
 CUDAGRAPHS_LOGGER: Final = "torch._inductor.cudagraph_utils.__cudagraphs"
 # The tree manager logs recordings, warm-ups and re-record reasons at DEBUG
-# (only on those slow paths, never on replay), symint recordings at INFO.
-CUDAGRAPH_TREES_LOGGER: Final = "torch._inductor.cudagraph_trees"
+# (only on those slow paths, never on replay), symint recordings at INFO, to
+# its `cudagraphs` artifact logger. Not to the module logger above it: a
+# parent's filters never see propagated records, and lowering the parent's
+# level lets the artifact's DEBUG lines through to torch's stderr handler.
+CUDAGRAPH_TREES_LOGGER: Final = "torch._inductor.cudagraph_trees.__cudagraphs"
 
 # -- message markers -----------------------------------------------------------
 RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
@@ -203,6 +206,14 @@ def tree_managers() -> Iterator[Any]:
         manager = getattr(container, "tree_manager", None)
         if manager is not None:
             yield manager
+
+
+def cuda_present() -> bool:
+    """Whether this process can use CUDA at all (device count only: no context is created)."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken driver install means "no CUDA", not a probe failure
+        return False
 
 
 def is_static_for_cudagraphs(tensor: torch.Tensor) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from itertools import repeat
+from operator import itemgetter
 
 from torchpulse.checkpoints.model import Checkpoint, FileInfo, Finding
 from torchpulse.checkpoints.rules import error, warning
@@ -121,6 +123,24 @@ def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
 
 def chunks_without_storage(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-009: each chunk and bytes item has exactly one storage entry, and vice versa."""
+    # Set algebra in C first (a million chunks: ~0.3 s instead of ~3 s); the exact
+    # per-item pass below runs only when it has something to report.
+    stored = set(map(_entry_key, ckpt.storage))
+    expected_keys: set[tuple[str, tuple[int, ...] | None]] = set()
+    for t in ckpt.tensors.values():
+        expected_keys.update(zip(repeat(t.key), map(_offsets_of, t.chunks)))
+    expected_keys.update(zip(ckpt.bytes_keys, repeat(None)))
+    duplicated = len(ckpt.metadata_files) == 1 and len(stored) != len(ckpt.storage)
+    if expected_keys == stored and not duplicated:
+        return []
+    return _chunks_without_storage_exact(ckpt)
+
+
+_entry_key = itemgetter(0, 1)  # StorageEntry -> (key, chunk_offsets)
+_offsets_of = itemgetter(0)  # Chunk -> offsets
+
+
+def _chunks_without_storage_exact(ckpt: Checkpoint) -> list[Finding]:
     entries: dict[tuple[str, tuple[int, ...] | None], int] = defaultdict(int)
     for s in ckpt.storage:
         entries[(s.key, s.chunk_offsets)] += 1
