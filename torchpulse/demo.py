@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from torchpulse.daemon.client import format_status, request_status
-from torchpulse.summary import format_table, summarize
+from torchpulse.summary import format_checkpoints, format_probe_table, format_table, summarize
 
 
 def _free_port() -> int:
@@ -41,6 +41,17 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise SystemExit("daemon did not come up within 30 s")
 
 
+def _wait_validated(url: str, expected: int, timeout: float = 90.0) -> None:
+    """Checkpoint validation runs in a worker after the save: give it time to report."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in _scrape(url).splitlines()
+                    if line.startswith("torchpulse_checkpoint_validations_total{"))
+        if total >= expected:
+            return
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
@@ -61,18 +72,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         _wait_ready(url, daemon, log)
+        checkpoints = workdir / "checkpoints"
+        job_args = ["--steps", str(args.steps), "--compile", "--nan-at-step", str(max(1, args.steps // 4)),
+                    "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(max(1, args.steps // 2))]
         job = [sys.executable, "-m", "torchpulse", "run", "--socket", str(sock), "--run-name", "demo", "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "-m", "torchpulse.demo_job", "--steps", str(args.steps)]
-        print(f"== training: torchpulse run -- torchrun --nproc-per-node {args.ranks} "
-              f"-m torchpulse.demo_job --steps {args.steps}")
+               "-m", "torchpulse.demo_job", *job_args]
+        print(f"== training: torchpulse run -- torchrun --nproc-per-node {args.ranks} -m torchpulse.demo_job "
+              f"{' '.join(job_args)}")
+        print("   (a compiled metric that recompiles once and breaks its graph, one injected NaN gradient,\n"
+              "    DCP checkpoints that the daemon validates)")
         started = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         result = subprocess.run(job, env=env, check=False)
         print(f"== job finished with exit code {result.returncode} in {time.monotonic() - started:.1f} s")
+        _wait_validated(url, expected=2)
         exposition = _scrape(url)
+        rows = summarize(exposition)
         print("\n== per-rank summary, read back from /metrics\n")
-        print(format_table(summarize(exposition)))
+        print(format_table(rows))
+        print("\n== what the autograd and compile probes saw\n")
+        print(format_probe_table(rows))
+        print("\n== checkpoints, validated by the daemon (torchpulse check PATH does the same by hand)\n")
+        print(format_checkpoints(exposition))
         print("\n== torchpulse status\n")
         print(format_status(request_status(sock)))
         families = sorted({line.split(" ")[2] for line in exposition.splitlines() if line.startswith("# TYPE")})

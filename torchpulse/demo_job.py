@@ -1,14 +1,19 @@
 """A small real training job for `make demo` and the integration tests.
 
 A 2-layer transformer encoder trained on random tokens with AdamW and a
-step-decay schedule, on CPU. It knows nothing about torchpulse: it is run
-under `torchpulse run`, which attaches the agent without code changes.
+step-decay schedule, on CPU; a gloo group when started by torchrun. Options
+exercise every probe: a compiled helper that recompiles once and breaks its
+graph, an injected non-finite gradient (the step is then skipped, as
+GradScaler would), and DCP checkpoints. It knows nothing about torchpulse: it
+runs under `torchpulse run`, which attaches the agent without code changes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,6 +31,30 @@ class TinyLM(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))  # type: ignore[no-any-return]
 
 
+def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    hits = (logits.argmax(-1) == targets).float()
+    # A data-dependent Python branch: Dynamo breaks the graph here.
+    torch._dynamo.graph_break()
+    return hits.mean()
+
+
+def _distributed() -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        return True
+    return False
+
+
+def _save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state_dict_saver.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
@@ -33,25 +62,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    parser.add_argument("--compile", action="store_true", help="compile a metric helper (recompiles once)")
+    parser.add_argument("--nan-at-step", type=int, default=-1, help="make one gradient NaN at this step")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save a DCP checkpoint here every --checkpoint-every")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = TinyLM()
+    # The process group serves the DCP save only. Not DDP: on torch 2.13 a DDP
+    # job with the autograd probe sometimes deadlocks at exit inside gloo's
+    # teardown (see the issue notes); the ranks here train independently.
+    distributed = _distributed()
+    model: nn.Module = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # Halve the learning rate every quarter of the run, so the exported lr moves.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, args.steps // 4), gamma=0.5)
     loss_fn = nn.CrossEntropyLoss()
-    for _ in range(args.steps):
-        tokens = torch.randint(0, 128, (args.batch, args.seq))
+    accuracy = torch.compile(token_accuracy) if args.compile else token_accuracy
+    head_bias = next(p for n, p in model.named_parameters() if n.endswith("head.bias"))
+    for step in range(1, args.steps + 1):
+        # The second half of the run uses longer sequences: one shape recompile.
+        seq = args.seq if step <= args.steps // 2 else args.seq * 2
+        tokens = torch.randint(0, 128, (args.batch, seq))
         optimizer.zero_grad(set_to_none=True)
         logits = model(tokens)
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tokens.roll(-1, dims=1).reshape(-1))
+        targets = tokens.roll(-1, dims=1)
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        hook = (head_bias.register_hook(lambda g: g * float("nan"))  # type: ignore[no-untyped-call]
+                if step == args.nan_at_step else None)
         loss.backward()
-        optimizer.step()
+        if hook is not None:
+            hook.remove()
+        with torch.no_grad():
+            accuracy(logits, targets)
+        if all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+            optimizer.step()  # skipped on non-finite gradients, as GradScaler does
         scheduler.step()
+        if args.checkpoint_dir is not None and step % args.checkpoint_every == 0:
+            _save(model, optimizer, args.checkpoint_dir / f"step-{step:06d}")
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    if distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 

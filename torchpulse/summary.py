@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,6 +101,11 @@ def _bytes(value: float) -> str:
     return f"{value:.1f} GiB"
 
 
+def _count(row: RankSummary, name: str) -> str:
+    value = row.extra.get(name)
+    return "-" if value is None else f"{value:.0f}"
+
+
 def format_table(rows: list[RankSummary]) -> str:
     header = ("run", "rank", "up", "steps", "step p50", "step p99", "learning rate", "state size", "dropped")
     body = [
@@ -108,6 +114,50 @@ def format_table(rows: list[RankSummary]) -> str:
          f"{r.dropped:.0f}")
         for r in rows
     ]
+    return _table(header, body)
+
+
+def format_probe_table(rows: list[RankSummary]) -> str:
+    """What the autograd and compile probes saw, per rank."""
+    header = ("run", "rank", "backward passes", "non-finite passes", "recompiles", "graph breaks",
+              "compiled frames", "cudagraph skips")
+    body = [
+        (r.run, r.rank, _count(r, "torchpulse_backward_passes_total"),
+         _count(r, "torchpulse_grad_nonfinite_passes_total"), _count(r, "torchpulse_recompiles_total"),
+         _count(r, "torchpulse_graph_breaks_total"), _count(r, "torchpulse_compile_frames_total"),
+         _count(r, "torchpulse_cudagraph_skips_total"))
+        for r in rows
+    ]
+    return _table(header, body)
+
+
+def format_checkpoints(exposition: str) -> str:
+    """One line per checkpoint root: current status, findings, bytes."""
+    status: dict[str, str] = {}
+    findings: dict[str, list[str]] = {}
+    size: dict[str, float] = {}
+    validations: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            root = sample.labels.get("root")
+            if root is None:
+                continue
+            if sample.name == "torchpulse_checkpoint_last_status" and sample.value == 1.0:
+                status[root] = sample.labels["status"]
+            elif sample.name == "torchpulse_checkpoint_findings" and sample.value > 0:
+                findings.setdefault(root, []).append(
+                    f"{sample.labels['rule']} {sample.labels['severity']} x{sample.value:.0f}")
+            elif sample.name == "torchpulse_checkpoint_bytes":
+                size[root] = sample.value
+            elif sample.name == "torchpulse_checkpoint_validations_total":
+                validations[root] = validations.get(root, 0.0) + sample.value
+    header = ("root", "latest status", "validations", "size", "findings")
+    body = [(root, status.get(root, "-"), f"{validations.get(root, 0):.0f}", _bytes(size.get(root, 0.0)),
+             "; ".join(findings.get(root, [])) or "none") for root in sorted(set(status) | set(validations))]
+    return _table(header, body) if body else "no checkpoint roots"
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *body, strict=True)]
     lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in (header, *body)]
