@@ -61,11 +61,7 @@ class Exposition:
             self.add(collector)
 
     def add(self, collector: NamedCollector | TextCollector) -> None:
-        source: CollectorRegistry | TextCollector
-        if isinstance(collector, TextCollector):
-            source = collector
-        else:
-            source = _registry_for(collector)
+        source = collector if isinstance(collector, TextCollector) else _registry_for(collector)
         self._entries.append((collector.name, source))
 
     def render(self) -> bytes:

@@ -5,15 +5,23 @@ to import torch and attaches the agent right after. Processes that never
 import torch pay for one import-hook lookup and nothing else.
 """
 
+from __future__ import annotations
+
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
+# Every Python process under `torchpulse run` imports this file: no `typing` import at run time.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _chain_to_shadowed_sitecustomize():
+def _chain_to_shadowed_sitecustomize() -> None:
     paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
     if spec is None or spec.loader is None:
@@ -23,13 +31,13 @@ def _chain_to_shadowed_sitecustomize():
     spec.loader.exec_module(module)
 
 
-def _should_attach():
+def _should_attach() -> bool:
     # Inductor's compile workers import torch but never train.
     argv = " ".join(sys.argv[:2])
     return "compile_worker" not in argv
 
 
-def _attach():
+def _attach() -> None:
     try:
         if not _should_attach():
             return
@@ -43,7 +51,7 @@ def _attach():
 class _AttachAfterTorch:
     """Meta-path finder that wraps torch's loader to attach once torch finished importing."""
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name != "torch":
             return None
         sys.meta_path.remove(self)
@@ -53,11 +61,11 @@ class _AttachAfterTorch:
         loader = spec.loader
         original_exec = loader.exec_module
 
-        def exec_then_attach(module):
+        def exec_then_attach(module: ModuleType) -> None:
             original_exec(module)
             _attach()
 
-        loader.exec_module = exec_then_attach
+        loader.exec_module = exec_then_attach  # type: ignore[method-assign]
         return spec
 
 
