@@ -238,6 +238,10 @@ class CheckpointService:
         result = await checkpoint_runner.validate(path, level, self._limits())
         elapsed = time.monotonic() - started
         after = await asyncio.to_thread(metadata_key, path)
+        if not incomplete and after is None and not await asyncio.to_thread(Path(path).exists):
+            # Retention scripts delete old checkpoints all the time: not a finding, not an alert.
+            log.info("checkpoint deleted during validation; result discarded", path=path, status=result.status.value)
+            return
         if not incomplete and (after is None or after[0] != key):
             # Overwritten (or deleted) while it was read: that result describes nothing on disk.
             log.info("checkpoint changed during validation; validating again", path=path)
