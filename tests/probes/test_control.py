@@ -107,3 +107,21 @@ def test_status_answers_at_once_and_unknown_commands_are_refused() -> None:
         assert (False, "unknown command 'explode'") == (unknown.ok, unknown.message)
     finally:
         agent.shutdown()
+
+
+def test_status_shows_the_slowest_autograd_nodes_and_cudagraph_dump_answers() -> None:
+    """With the autograd and cudagraphs probes on, status names slow node types and the dump reports trees."""
+    agent = local_agent(("optimizer", "autograd", "cudagraphs"))
+    assert isinstance(agent, Agent)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _step(model, optimizer, 2)
+        agent.control.receive(Command(1, "status", {}))
+        agent.control.receive(Command(2, "cudagraph-dump", {}))
+        _step(model, optimizer)
+        status, dump = list(agent.control.results)
+        assert "AddmmBackward0" in str(status.data["autograd_slowest"])
+        assert (True, True, 0) == (dump.ok, dump.data["available"], dump.data["trees"])
+    finally:
+        agent.shutdown()

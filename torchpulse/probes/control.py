@@ -123,9 +123,16 @@ class Control:
             "pid": agent.identity.pid,
             "tracing": self._trace is not None,
         }
-        sample_every = getattr(autograd, "sample_every", None)
-        if isinstance(sample_every, int):
-            data["autograd_sample_every"] = sample_every
+        status = getattr(autograd, "status", None)
+        if autograd is not None and autograd.enabled and callable(status):
+            state = status()
+            data["autograd_sample_every"] = state.get("sample_every")
+            data["autograd_passes"] = state.get("passes")
+            last = state.get("last_sampled_pass")
+            if isinstance(last, dict):
+                # The slowest node types of the last timed pass, e.g. "AddmmBackward0 1.20ms".
+                data["autograd_slowest"] = ", ".join(
+                    f"{name} {seconds * 1e3:.2f}ms" for name, _seq, seconds in last.get("slowest", [])[:5])
         return data
 
     # -- training thread ------------------------------------------------------

@@ -271,6 +271,20 @@ class CudaGraphProbe(Probe):
                 trees, nodes = trees + t, nodes + n
             self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
 
+    def dump_state(self) -> dict[str, str | int | float | bool | None]:
+        """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
+        where the (thread-local) tree manager lives."""
+        if not tf.has("cudagraph_tree_managers"):
+            return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
+        managers = list(tf.tree_managers())
+        trees = nodes = 0
+        for manager in managers:
+            t, n = tf.count_tree_nodes(manager)
+            trees, nodes = trees + t, nodes + n
+        skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
+        return {"available": True, "cuda": tf.cuda_present(), "managers": len(managers), "trees": trees,
+                "nodes": nodes, "pool_bytes": tf.pool_bytes(managers), "skips_total": skips}
+
     def _track(self, optimizer: Optimizer) -> _Tracked:
         label = None
         optimizer_probe = self.agent.probes.get("optimizer")
