@@ -29,5 +29,16 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/ingest.py
 
+# Each atheris harness for FUZZ_SECONDS; crashes land in FUZZ_ARTIFACTS (CI runs 10 s each from tests/hostile).
+FUZZ_SECONDS   ?= 60
+FUZZ_ARTIFACTS ?= /tmp/torchpulse-fuzz-artifacts
+fuzz: $(STAMP)
+	mkdir -p $(FUZZ_ARTIFACTS)
+	for harness in fuzz/fuzz_*.py; do \
+		echo "== $$harness ($(FUZZ_SECONDS) s)"; \
+		$(PY) $$harness -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=3072 \
+			-artifact_prefix=$(FUZZ_ARTIFACTS)/ -print_final_stats=1 || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -246,7 +246,8 @@ def decode_agent_frame(body: bytes) -> AgentFrame:
         # agent's message type, so it is named apart from garbage bytes.
         reason = "unknown_type" if "`$.type`" in str(exc) else "invalid_frame"
         raise FrameError(reason, f"invalid frame: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError, not DecodeError, for a string that is not UTF-8.
         raise FrameError("decode_error", f"undecodable frame: {exc}") from None
 
 
@@ -255,5 +256,5 @@ def decode_daemon_frame(body: bytes) -> DaemonFrame:
     try:
         frame: DaemonFrame = _daemon_decoder.decode(body)
         return frame
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise FrameError("decode_error", f"undecodable frame: {exc}") from None

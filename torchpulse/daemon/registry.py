@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from torchpulse.catalog import CATALOG
-from torchpulse.protocol import Batch, Hello, LogEvent
+from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 MAX_LABEL_CHARS: Final = 200
 SeriesKey = tuple[str, tuple[str, ...]]
@@ -86,6 +86,11 @@ class Registry:
 
     # -- connections --------------------------------------------------------
     def connect(self, hello: Hello, peer: Peer | None) -> tuple[RunState, RankState]:
+        # `run` is a label on every series of the run and `host` one of run_info: a
+        # megabyte-long name would be copied into thousands of rendered series.
+        for name, value in (("run", hello.run), ("host", hello.host)):
+            if len(value) > MAX_LABEL_CHARS:
+                raise FrameError("invalid_frame", f"hello: {name} is longer than {MAX_LABEL_CHARS} characters")
         run = self.runs.get(hello.run)
         if run is None:
             run = self.runs[hello.run] = RunState(hello.run)

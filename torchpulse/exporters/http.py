@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -23,6 +24,9 @@ MAX_HEADER_BYTES: Final = 8192
 HEADER_TIMEOUT: Final = 5.0
 IDLE_TIMEOUT: Final = 60.0
 MAX_CONNECTIONS: Final = 256
+# A client that leaves a response unread this long is cut off: a stalled reader
+# would otherwise hold a connection slot and a rendered body forever.
+WRITE_TIMEOUT: Final = 30.0
 LANDING = b"""<html><head><title>torchpulse</title></head><body><h1>torchpulse</h1>
 <p><a href="/metrics">Metrics</a></p></body></html>"""
 
@@ -33,6 +37,8 @@ class MetricsServer:
         self.health = health
         self._server: asyncio.Server | None = None
         self._open = 0
+        # Connections waiting for their next request, and since when.
+        self._waiting: dict[asyncio.StreamWriter, float] = {}
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
@@ -47,12 +53,16 @@ class MetricsServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open += 1
         try:
-            if self._open > MAX_CONNECTIONS:
+            if self._open > MAX_CONNECTIONS and not self._evict_oldest_waiting():
                 await self._respond(writer, 503, b"too many connections\n", keep_alive=False)
                 return
             first = True
             while True:
-                request = await self._read_request(reader, HEADER_TIMEOUT if first else IDLE_TIMEOUT)
+                self._waiting[writer] = time.monotonic()
+                try:
+                    request = await self._read_request(reader, HEADER_TIMEOUT if first else IDLE_TIMEOUT)
+                finally:
+                    self._waiting.pop(writer, None)
                 first = False
                 if request is None:
                     return
@@ -62,12 +72,24 @@ class MetricsServer:
                 if not keep_alive:
                     return
         except (ConnectionError, TimeoutError, asyncio.LimitOverrunError, ValueError):
-            return
+            # No graceful close: it would wait for a stalled peer to read what is buffered.
+            writer.transport.abort()
         finally:
             self._open -= 1
             writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                async with asyncio.timeout(WRITE_TIMEOUT):
+                    await writer.wait_closed()
+            writer.transport.abort()  # a no-op once closed
+
+    def _evict_oldest_waiting(self) -> bool:
+        """At the limit, drop the connection that has waited longest for a request (slowloris first)."""
+        if not self._waiting:
+            return False
+        oldest = min(self._waiting, key=self._waiting.__getitem__)
+        del self._waiting[oldest]
+        oldest.transport.abort()
+        return True
 
     async def _read_request(
         self, reader: asyncio.StreamReader, timeout: float
@@ -129,4 +151,5 @@ class MetricsServer:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         if not head:
             writer.write(body)
-        await writer.drain()
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await writer.drain()
