@@ -76,3 +76,14 @@ def test_two_hundred_connections_opened_and_dropped(daemon: DaemonProcess) -> No
     wait_for(lambda: 0.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
     assert daemon.proc.poll() is None
     assert [] == request_status(daemon.socket_path).runs
+
+
+def test_hello_fields_longer_than_their_limit_are_refused(daemon: DaemonProcess) -> None:
+    """A run name, version or command line past its length limit is refused before it becomes a label."""
+    long_command = Hello("r", 0, 0, 1, os.getpid(), "h", "2.13.0", "0.1.0", "x" * 513, 0.0)
+    long_version = Hello("r", 0, 0, 1, os.getpid(), "h", "v" * 201, "0.1.0", "x", 0.0)
+    command_reply = _send(daemon, encode(long_command), close_write=False)
+    version_reply = _send(daemon, encode(long_version), close_write=False)
+    assert b"hello: command is longer than 512 characters" in command_reply
+    assert b"hello: torch_version is longer than 200 characters" in version_reply
+    assert [] == request_status(daemon.socket_path).runs

@@ -167,10 +167,6 @@ def test_a_unicode_length_prefix_larger_than_memory_is_an_invalid_metadata(
     assert (Status.INVALID, ["TP-CKPT-012"]) == (result.status, [f.rule for f in result.findings])
 
 
-@pytest.mark.xfail(strict=True, raises=MemoryError,
-                   reason="checkpoints: a BINBYTES8/BYTEARRAY8 length prefix of 2**40 makes CPython 3.11's "
-                   "unpickler allocate before reading; the MemoryError is re-raised by read_checkpoint as "
-                   "'validator failed' (status error, exit 2) instead of an invalid .metadata")
 @pytest.mark.parametrize("opcode", [b"\x8e", b"\x96"])  # BINBYTES8, BYTEARRAY8
 def test_a_length_prefix_larger_than_memory_is_an_invalid_metadata(
         saved_checkpoint: Path, tmp_path: Path, opcode: bytes) -> None:
@@ -181,9 +177,6 @@ def test_a_length_prefix_larger_than_memory_is_an_invalid_metadata(
     assert (Status.INVALID, ["TP-CKPT-012"]) == (result.status, [f.rule for f in result.findings])
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoints: LONG_BINPUT with index 2**30 makes CPython 3.11's unpickler "
-                   "grow its memo to 2**31 pointers (16 GB, zero-filled) from 5 bytes; under the worker's RLIMIT_AS "
-                   "that is a MemoryError, reported as status error ('cannot tell') instead of invalid metadata")
 def test_a_memo_index_larger_than_memory_is_an_invalid_metadata(saved_checkpoint: Path, tmp_path: Path) -> None:
     """Nine bytes that ask for a 16 GB memo are reported as invalid metadata by the worker, within its limits."""
     ckpt = _copy(saved_checkpoint, tmp_path)
@@ -192,9 +185,6 @@ def test_a_memo_index_larger_than_memory_is_an_invalid_metadata(saved_checkpoint
     assert (Status.INVALID, ["TP-CKPT-012"]) == (result.status, [f.rule for f in result.findings])
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="checkpoints/reader.py: chunk offsets are copied with tuple(), not _tuple(), so a str "
-                   "offset reaches the tiling rule, whose comparison raises TypeError out of validate()")
 def test_non_integer_chunk_offsets_are_a_finding(saved_checkpoint: Path, tmp_path: Path) -> None:
     """A chunk whose offset is the string "0" gives an invalid result, not a TypeError."""
     ckpt = _copy(saved_checkpoint, tmp_path)

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from operator import itemgetter, methodcaller
 from pathlib import Path
 from typing import Any
@@ -94,8 +94,37 @@ def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) ->
         data = f.read(size_cap + 1)
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
-    with gc_paused():
-        return load_metadata(data)
+    try:
+        with gc_paused():
+            return load_metadata(data)
+    except MemoryError:
+        # A few bytes can declare a 2**40-byte string or a 2**30-slot memo and make the
+        # unpickler allocate before it reads; that is a broken file, not a validator failure.
+        problem = declared_beyond_data(data)
+        if problem is None:
+            raise
+        raise ValueError(f"{path.name}: {problem}") from None
+
+
+# Opcodes whose argument is a length or a memo index (pickletools names).
+_LENGTH_OPCODES = frozenset({"BINBYTES8", "BYTEARRAY8", "BINUNICODE8", "BINBYTES", "BINUNICODE", "SHORT_BINBYTES",
+                             "SHORT_BINUNICODE", "BINSTRING", "SHORT_BINSTRING", "FRAME"})
+_MEMO_OPCODES = frozenset({"LONG_BINPUT", "LONG_BINGET", "BINPUT", "BINGET"})
+
+
+def declared_beyond_data(data: bytes) -> str | None:
+    """Why `data` cannot be a real pickle of its size, or None (only run after a MemoryError)."""
+    import pickletools
+
+    try:
+        for opcode, arg, pos in pickletools.genops(data):
+            if opcode.name in _MEMO_OPCODES and isinstance(arg, int) and arg > len(data):
+                return f"memo index {arg} at byte {pos} is larger than the file"
+            if opcode.name == "FRAME" and isinstance(arg, int) and arg > len(data):
+                return f"frame of {arg} bytes at byte {pos} is larger than the file"
+    except ValueError as exc:  # genops: a declared length longer than the bytes that follow
+        return f"declared length runs past the end of the file ({exc})"
+    return None
 
 
 def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> ReadOutcome:
@@ -147,8 +176,13 @@ def _tuple(value: Any) -> tuple[int, ...]:
 
 def _chunks(standins: Any) -> tuple[Chunk, ...]:
     states = list(map(_state, standins))
-    offsets = map(tuple, map(_offsets, states))
-    sizes = map(tuple, map(_sizes, states))
+    offsets = list(map(tuple, map(_offsets, states)))
+    sizes = list(map(tuple, map(_sizes, states)))
+    # One C-speed pass over every value: a string or float offset must be a finding here,
+    # not a TypeError out of the tiling rule later.
+    if not set(map(type, chain.from_iterable(offsets))) <= {int} or \
+            not set(map(type, chain.from_iterable(sizes))) <= {int}:
+        raise ValueError("chunk offsets and sizes must be integers")
     return tuple(map(_new, repeat(Chunk), zip(offsets, sizes, strict=True)))
 
 

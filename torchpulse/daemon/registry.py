@@ -17,6 +17,8 @@ from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 MAX_LABEL_CHARS: Final = 200
+# run_info carries the command line; agents cut it at 256 characters.
+MAX_COMMAND_CHARS: Final = 512
 SeriesKey = tuple[str, tuple[str, ...]]
 
 
@@ -88,9 +90,12 @@ class Registry:
     def connect(self, hello: Hello, peer: Peer | None) -> tuple[RunState, RankState]:
         # `run` is a label on every series of the run and `host` one of run_info: a
         # megabyte-long name would be copied into thousands of rendered series.
-        for name, value in (("run", hello.run), ("host", hello.host)):
-            if len(value) > MAX_LABEL_CHARS:
-                raise FrameError("invalid_frame", f"hello: {name} is longer than {MAX_LABEL_CHARS} characters")
+        for name, value, limit in (("run", hello.run, MAX_LABEL_CHARS), ("host", hello.host, MAX_LABEL_CHARS),
+                                   ("torch_version", hello.torch_version, MAX_LABEL_CHARS),
+                                   ("agent_version", hello.agent_version, MAX_LABEL_CHARS),
+                                   ("command", hello.command, MAX_COMMAND_CHARS)):
+            if len(value) > limit:
+                raise FrameError("invalid_frame", f"hello: {name} is longer than {limit} characters")
         run = self.runs.get(hello.run)
         if run is None:
             run = self.runs[hello.run] = RunState(hello.run)

@@ -47,6 +47,9 @@ from torchpulse.protocol import (
 log = structlog.get_logger("torchpulse.daemon.server")
 # A peer that connects and says nothing is dropped after this long.
 FIRST_FRAME_TIMEOUT: Final = 10.0
+# Once a header arrived, its body must follow within this long: a peer cannot park
+# a half-sent frame (up to MAX_FRAME_BYTES of buffer) on a connection for ever.
+FRAME_BODY_TIMEOUT: Final = 30.0
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
 REJECT_LOG_INTERVAL: Final = 10.0
 LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
@@ -154,6 +157,7 @@ class AgentServer:
         try:
             async with asyncio.timeout(timeout):
                 header = await reader.readexactly(HEADER_SIZE)
+            async with asyncio.timeout(FRAME_BODY_TIMEOUT):
                 body = await reader.readexactly(parse_header(header))
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
