@@ -25,9 +25,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check torchpulse tests bench
 	$(VENV)/bin/mypy
 
+# Every benchmark prints ratios measured side by side in one run; none is a timed test.
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+	$(PY) -m bench.compile_overhead
+	$(PY) bench/autograd_overhead.py
 	$(PY) bench/ingest.py
+	$(PY) bench/load.py --minutes 3
+	PYTHONPATH=. $(PY) bench/checkpoint.py
+	$(PY) bench/watcher_latency.py
 
 # Each atheris harness for FUZZ_SECONDS; crashes land in FUZZ_ARTIFACTS (CI runs 10 s each from tests/hostile).
 FUZZ_SECONDS   ?= 60
