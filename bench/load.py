@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.ingest import _cpu_seconds, _rss_mib
 from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode
 
@@ -161,17 +162,6 @@ class SimAgent:
         events, self.pending_events = self.pending_events, []
         return Batch(self.seq, now, samples, hists, events)
 
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _scrape(url: str) -> tuple[float, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import TypeVar
 
 from torchpulse.framing import FrameReader
 from torchpulse.protocol import (
@@ -16,12 +17,15 @@ from torchpulse.protocol import (
     encode,
 )
 
+T = TypeVar("T", StatusReply, CtlReply)
+
 
 class DaemonUnavailable(Exception):
     pass
 
 
-def request_status(path: Path, timeout: float = 5.0) -> StatusReply:
+def _request(path: Path, request: StatusRequest | CtlRequest, reply_type: type[T], timeout: float) -> T:
+    """Send one request frame and wait for its reply; every failure is a DaemonUnavailable."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -29,20 +33,27 @@ def request_status(path: Path, timeout: float = 5.0) -> StatusReply:
             sock.connect(str(path))
         except OSError as exc:
             raise DaemonUnavailable(f"no daemon at {path}: {exc.strerror or exc}") from None
-        sock.sendall(encode(StatusRequest()))
+        sock.sendall(encode(request))
         reader = FrameReader()
         while True:
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise DaemonUnavailable(f"the daemon did not answer within {timeout:g}s") from None
             if not chunk:
                 raise DaemonUnavailable("the daemon closed the connection without answering")
             for body in reader.feed(chunk):
                 frame = decode_daemon_frame(body)
                 if isinstance(frame, ErrorReply):
-                    raise DaemonUnavailable(f"daemon refused: {frame.message}")
-                if isinstance(frame, StatusReply):
+                    raise DaemonUnavailable(f"refused: {frame.message}")
+                if isinstance(frame, reply_type):
                     return frame
     finally:
         sock.close()
+
+
+def request_status(path: Path, timeout: float = 5.0) -> StatusReply:
+    return _request(path, StatusRequest(), StatusReply, timeout)
 
 
 def format_status(reply: StatusReply) -> str:
@@ -75,30 +86,7 @@ def _duration(seconds: float) -> str:
 
 def send_ctl(path: Path, request: CtlRequest, timeout: float) -> CtlReply:
     """Send one command request and wait for the per-rank results."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            raise DaemonUnavailable(f"no daemon at {path}: {exc.strerror or exc}") from None
-        sock.sendall(encode(request))
-        reader = FrameReader()
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                raise DaemonUnavailable(f"the daemon did not answer within {timeout:g}s") from None
-            if not chunk:
-                raise DaemonUnavailable("the daemon closed the connection without answering")
-            for body in reader.feed(chunk):
-                frame = decode_daemon_frame(body)
-                if isinstance(frame, ErrorReply):
-                    raise DaemonUnavailable(f"refused: {frame.message}")
-                if isinstance(frame, CtlReply):
-                    return frame
-    finally:
-        sock.close()
+    return _request(path, request, CtlReply, timeout)
 
 
 def format_ctl(reply: CtlReply) -> str:
