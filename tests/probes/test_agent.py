@@ -194,3 +194,16 @@ def test_a_subclass_calling_super_step_counts_one_step() -> None:
                                agent.store.value("optimizer_step_errors_total", ("Clipped#0",)))
     finally:
         agent.shutdown()
+
+
+def test_attach_on_a_torch_older_than_supported_is_a_no_op_with_one_warning(tmp_path: Any) -> None:
+    """On torch < 2.4 attach() installs nothing, returns None and says why in one line."""
+    result = _run("""
+        import torch, torchpulse
+        from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
+        torch.__version__ = "2.3.1"
+        print(torchpulse.attach(), len(pre))
+        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+    assert "None 0" == result.stdout.strip()
+    assert ["torchpulse: torch too old for torchpulse probes; not attaching (torch_version='2.3.1')"] == (
+        result.stderr.splitlines())
