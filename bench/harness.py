@@ -21,8 +21,12 @@ class Variant:
 
 
 def interleaved(step: Callable[[], None], variants: Sequence[Variant], rounds: int, steps_per_block: int,
-                warmup: int = 5) -> dict[str, list[float]]:
-    """Per-step wall times of `step` under each variant, alternating variant order every round."""
+                warmup: int = 5, settle: int = 1) -> dict[str, list[float]]:
+    """Per-step wall times of `step` under each variant, alternating variant order every round.
+
+    The first `settle` steps after each switch are run but not timed: they pay for the switch
+    (caches refilled after an install or uninstall), which a job that attaches once never does.
+    """
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for _ in range(warmup):
         step()
@@ -31,7 +35,8 @@ def interleaved(step: Callable[[], None], variants: Sequence[Variant], rounds: i
         for variant in order:
             variant.enter()
             try:
-                step()  # the first step after a switch pays for the switch, not the probe
+                for _ in range(settle):
+                    step()
                 for _ in range(steps_per_block):
                     start = time.perf_counter()
                     step()
