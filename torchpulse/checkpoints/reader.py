@@ -94,37 +94,8 @@ def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) ->
         data = f.read(size_cap + 1)
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
-    try:
-        with gc_paused():
-            return load_metadata(data)
-    except MemoryError:
-        # A few bytes can declare a 2**40-byte string or a 2**30-slot memo and make the
-        # unpickler allocate before it reads; that is a broken file, not a validator failure.
-        problem = declared_beyond_data(data)
-        if problem is None:
-            raise
-        raise ValueError(f"{path.name}: {problem}") from None
-
-
-# Opcodes whose argument is a length or a memo index (pickletools names).
-_LENGTH_OPCODES = frozenset({"BINBYTES8", "BYTEARRAY8", "BINUNICODE8", "BINBYTES", "BINUNICODE", "SHORT_BINBYTES",
-                             "SHORT_BINUNICODE", "BINSTRING", "SHORT_BINSTRING", "FRAME"})
-_MEMO_OPCODES = frozenset({"LONG_BINPUT", "LONG_BINGET", "BINPUT", "BINGET"})
-
-
-def declared_beyond_data(data: bytes) -> str | None:
-    """Why `data` cannot be a real pickle of its size, or None (only run after a MemoryError)."""
-    import pickletools
-
-    try:
-        for opcode, arg, pos in pickletools.genops(data):
-            if opcode.name in _MEMO_OPCODES and isinstance(arg, int) and arg > len(data):
-                return f"memo index {arg} at byte {pos} is larger than the file"
-            if opcode.name == "FRAME" and isinstance(arg, int) and arg > len(data):
-                return f"frame of {arg} bytes at byte {pos} is larger than the file"
-    except ValueError as exc:  # genops: a declared length longer than the bytes that follow
-        return f"declared length runs past the end of the file ({exc})"
-    return None
+    with gc_paused():
+        return load_metadata(data)
 
 
 def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> ReadOutcome:

@@ -190,9 +190,36 @@ class _MetadataUnpickler(_AllowListUnpickler):
     allowed = _METADATA_GLOBALS
 
 
+# Opcodes whose argument is a memo index (pickletools names); genops checks lengths itself.
+_MEMO_OPCODES = frozenset({"LONG_BINPUT", "LONG_BINGET", "BINPUT", "BINGET"})
+
+
+def declared_beyond_data(data: bytes) -> str | None:
+    """Why `data` cannot be a real pickle of its size, or None (only run after a MemoryError)."""
+    import pickletools
+
+    try:
+        for opcode, arg, pos in pickletools.genops(data):
+            if opcode.name in _MEMO_OPCODES and isinstance(arg, int) and arg > len(data):
+                return f"memo index {arg} at byte {pos} is larger than the file"
+            if opcode.name == "FRAME" and isinstance(arg, int) and arg > len(data):
+                return f"frame of {arg} bytes at byte {pos} is larger than the file"
+    except ValueError as exc:  # genops: a declared length longer than the bytes that follow
+        return f"declared length runs past the end of the file ({exc})"
+    return None
+
+
 def load_metadata(data: bytes) -> MetadataStandIn:
     """Unpickle DCP `.metadata` bytes into stand-ins; raise on anything unexpected."""
-    obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    try:
+        obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    except MemoryError:
+        # A few bytes can declare a 2**40-byte string or a 2**30-slot memo and make the
+        # unpickler allocate before it reads: a broken file, not a validator failure.
+        problem = declared_beyond_data(data)
+        if problem is None:
+            raise
+        raise pickle.UnpicklingError(problem) from None
     if not isinstance(obj, MetadataStandIn):
         raise pickle.UnpicklingError(f"top-level object is {type(obj).__name__}, not Metadata")
     return obj
