@@ -35,7 +35,8 @@ bench: $(STAMP)
 	PYTHONPATH=. $(PY) bench/checkpoint.py
 	$(PY) bench/watcher_latency.py
 
-# Each atheris harness for FUZZ_SECONDS; crashes land in FUZZ_ARTIFACTS (CI runs 10 s each from tests/hostile).
+# Each atheris harness for FUZZ_SECONDS; crashes land in FUZZ_ARTIFACTS. CI runs them with a fixed
+# seed and run count from tests/hostile/test_fuzz.py, so its result is reproducible.
 FUZZ_SECONDS   ?= 60
 FUZZ_ARTIFACTS ?= /tmp/torchpulse-fuzz-artifacts
 fuzz: $(STAMP)

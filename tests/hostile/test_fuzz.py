@@ -12,8 +12,13 @@ import pytest
 from tests.support import REPO
 
 pytest.importorskip("atheris")
-SECONDS = int(os.environ.get("FUZZ_CI_SECONDS", "10"))
-HARNESSES = ["fuzz_frames", "fuzz_metadata"]
+# A fixed seed and run count: CI must give the same answer every time, and a failure here
+# must reproduce with the same command. `make fuzz` is the open-ended, time-bounded search.
+SEED = 1
+RUNS = {"fuzz_frames": 5_000, "fuzz_metadata": 150_000}
+HARNESSES = sorted(RUNS)
+# CPython under the harness' address-space cap prints this for some inputs; it is not a finding.
+NOISE = "SystemError: deallocated bytearray object has exported buffers"
 
 
 @pytest.mark.slow
@@ -21,10 +26,11 @@ HARNESSES = ["fuzz_frames", "fuzz_metadata"]
 def test_harness_runs_clean_for_a_short_time(harness: str, tmp_path: os.PathLike[str]) -> None:
     """The harness runs its time budget with no crash, hang, leak or out-of-memory, and does real work."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "fuzz" / f"{harness}.py"), f"-max_total_time={SECONDS}", "-timeout=10",
-         "-rss_limit_mb=3072", f"-artifact_prefix={tmp_path}/"],
-        capture_output=True, text=True, timeout=SECONDS + 90, cwd=REPO,
+        [sys.executable, str(REPO / "fuzz" / f"{harness}.py"), f"-seed={SEED}", f"-runs={RUNS[harness]}",
+         "-timeout=10", "-rss_limit_mb=3072", f"-artifact_prefix={tmp_path}/"],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
     )
     done = re.search(r"Done (\d+) runs", proc.stderr)
-    assert (0, True) == (proc.returncode, done is not None), proc.stderr[-3000:]
+    tail = "\n".join(line for line in proc.stderr.splitlines() if NOISE not in line)[-3000:]
+    assert (0, True) == (proc.returncode, done is not None), tail
     assert int(done.group(1)) > 100  # type: ignore[union-attr]
