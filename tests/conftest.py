@@ -13,8 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.support import DaemonProcess, start_daemon
+
+# No per-example deadline: the 2-core machine is shared, and a slow example is not a failure.
+# In CI the examples are derandomized, so a CI result is the same on every run and reproduces.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, database=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 @pytest.fixture
