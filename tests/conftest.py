@@ -9,19 +9,25 @@ import tempfile
 # compiled fixtures are shared inside the run but nothing leaks between runs.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchpulse-inductor-"))
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-from tests.support import DaemonProcess, start_daemon
+from tests.support import DaemonProcess, require_tool, start_daemon
 
 # No per-example deadline: the 2-core machine is shared, and a slow example is not a failure.
 # In CI the examples are derandomized, so a CI result is the same on every run and reproduces.
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.fixture(name="require_tool")
+def require_tool_fixture() -> Callable[[str], str]:
+    """Return a tool's path; skip without it, but fail when $CI is set (CI must have it)."""
+    return require_tool
 
 
 @pytest.fixture

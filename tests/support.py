@@ -151,3 +151,42 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
         agent.probes[name] = probe
     agent.control.install()
     return agent
+
+
+# Debian packages of the external tools tests use; CI installs them (see .ci/run and the README).
+TOOL_PACKAGES = {"promtool": "prometheus", "prometheus": "prometheus"}
+
+
+def require_tool(name: str) -> str:
+    """A tool's path; skip without it, but fail when $CI is set (CI must provide it)."""
+    import shutil
+
+    import pytest
+
+    path = shutil.which(name)
+    if path is not None:
+        return path
+    reason = f"{name} is not installed (Debian package: {TOOL_PACKAGES.get(name, 'systemd')})"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must provide it")
+    pytest.skip(reason)
+
+
+def send_raw(socket_path: Path, data: bytes, close_write: bool = True) -> bytes:
+    """Write raw bytes to the agent socket and return everything the daemon answers until it closes."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(socket_path))
+        sock.sendall(data)
+        if close_write:
+            sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def rejected_frames(daemon: DaemonProcess) -> dict[str, float]:
+    """Non-zero `torchpulse_daemon_frames_rejected_total` by reason."""
+    samples = select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total")
+    return {dict(k)["reason"]: v for k, v in samples.items() if v}

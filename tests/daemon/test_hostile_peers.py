@@ -8,7 +8,7 @@ import struct
 
 import msgspec
 
-from tests.support import DaemonProcess, select, wait_for
+from tests.support import DaemonProcess, rejected_frames, select, send_raw, wait_for
 from torchpulse.daemon.client import request_status
 from torchpulse.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Batch, Hello, Sample, encode
 
@@ -16,21 +16,7 @@ HELLO = Hello("hostile", 0, 0, 1, os.getpid(), "h", "2.13.0", "0.1.0", "test", 0
 
 
 def _send(daemon: DaemonProcess, data: bytes, close_write: bool = True) -> bytes:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
-        sock.connect(str(daemon.socket_path))
-        sock.sendall(data)
-        if close_write:
-            sock.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
-def _rejected(daemon: DaemonProcess) -> dict[str, float]:
-    samples = select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total")
-    return {dict(k)["reason"]: v for k, v in samples.items() if v}
+    return send_raw(daemon.socket_path, data, close_write)
 
 
 def test_bad_frames_are_rejected_counted_and_answered(daemon: DaemonProcess) -> None:
@@ -41,8 +27,8 @@ def test_bad_frames_are_rejected_counted_and_answered(daemon: DaemonProcess) -> 
     unknown = msgspec.msgpack.encode({"type": "from_the_future"})
     _send(daemon, HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(unknown)) + unknown, close_write=False)
     assert b"oversized" in reply
-    wait_for(lambda: 4 == sum(_rejected(daemon).values()))
-    assert {"bad_magic": 1, "truncated": 1, "oversized": 1, "unknown_type": 1} == _rejected(daemon)
+    wait_for(lambda: 4 == sum(rejected_frames(daemon).values()))
+    assert {"bad_magic": 1, "truncated": 1, "oversized": 1, "unknown_type": 1} == rejected_frames(daemon)
 
 
 def test_version_mismatch_gets_an_error_reply_not_a_crash(daemon: DaemonProcess) -> None:

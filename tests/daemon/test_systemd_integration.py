@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.support import REPO, free_port, wait_for
+from tests.support import REPO, free_port, require_tool, wait_for
 from torchpulse.daemon.client import request_status
-
-
-def _activator() -> str:
-    tool = shutil.which("systemd-socket-activate")
-    if tool is None:
-        if os.environ.get("CI"):
-            pytest.fail("systemd-socket-activate is missing in CI (package systemd)")
-        pytest.skip("systemd-socket-activate not installed")
-    return tool
 
 
 def _datagrams(sock: socket.socket, until: float) -> list[str]:
@@ -45,7 +33,8 @@ def test_socket_activated_daemon_notifies_ready_pings_watchdog_and_survives_rest
     notify.bind(str(notify_path))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(notify_path), WATCHDOG_USEC="400000")
-    cmd = [_activator(), "-l", str(agent_sock), "--fdname=agent", "-E", "NOTIFY_SOCKET", "-E", "WATCHDOG_USEC",
+    cmd = [require_tool("systemd-socket-activate"), "-l", str(agent_sock), "--fdname=agent",
+           "-E", "NOTIFY_SOCKET", "-E", "WATCHDOG_USEC",
            "-E", "PYTHONPATH", sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "unused.sock"),
            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state")]
     # systemd-socket-activate waits for the first connection before starting the daemon, like

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.support import REPO, DaemonProcess, select, wait_for
+from tests.support import REPO, DaemonProcess, require_tool, select, wait_for
 from torchpulse.summary import histogram_quantile
 
 STEPS = 24
@@ -60,11 +57,7 @@ def test_two_ranks_report_exact_steps_histograms_and_scheduled_lr(daemon: Daemon
 
 def test_promtool_accepts_the_real_exposition(daemon: DaemonProcess) -> None:
     """`promtool check metrics` on a scrape taken after a real job prints nothing."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing in CI: apt-get install prometheus")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    promtool = require_tool("promtool")
     assert [(0, "")] == _finish(_job(daemon, "--steps", "3", ranks=1))
     result = subprocess.run([promtool, "check", "metrics"], input=daemon.scrape_text(),
                             capture_output=True, text=True, timeout=60)
