@@ -7,10 +7,19 @@ ratio of medians measured in the same process at the same time.
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -74,3 +83,46 @@ def report(title: str, times: dict[str, list[float]], baseline: str, budgets: di
         ok = ok and (budget is None or ratio <= budget)
         print(f"  {name:<28} {len(values):>6} {median * 1e3:>8.3f} ms {ratio:>7.4f}  {verdict}")
     return ok
+
+
+@dataclass(frozen=True)
+class BenchDaemon:
+    proc: subprocess.Popen[bytes]
+    socket_path: Path
+    url: str
+    log_path: Path | None
+
+
+@contextmanager
+def running_daemon(workdir: Path, config: str | None = None, log: bool = False,
+                   timeout: float = 30.0) -> Iterator[BenchDaemon]:
+    """A real daemon on a free port under `workdir`, ready when `/metrics` answers; stopped on exit.
+
+    `config` is TOML text for `--config`; with `log` its output goes to `workdir/daemon.log`.
+    """
+    sock, log_path = workdir / "agent.sock", (workdir / "daemon.log" if log else None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    args = [sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
+            "--state-dir", str(workdir / "state")]
+    if config is not None:
+        (workdir / "tp.toml").write_text(config)
+        args += ["--config", str(workdir / "tp.toml")]
+    with (log_path.open("wb") if log_path else open(os.devnull, "wb")) as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    daemon = BenchDaemon(proc, sock, f"http://127.0.0.1:{port}/metrics", log_path)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(daemon.url, timeout=5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not come up (exit status {proc.poll()})") from None
+                time.sleep(0.05)
+        yield daemon
+    finally:
+        proc.terminate()
+        proc.wait(10)

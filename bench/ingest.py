@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import running_daemon
 from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode
 
@@ -119,26 +119,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--scrapes", type=int, default=40)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="torchpulse-ingest-"))
-    sock = workdir / "agent.sock"
-    port_sock = socket.socket()
-    port_sock.bind(("127.0.0.1", 0))
-    port = port_sock.getsockname()[1]
-    port_sock.close()
-    url = f"http://127.0.0.1:{port}/metrics"
-    (workdir / "tp.toml").write_text("[runs]\nseries_limit_per_run = 100000\n[daemon]\nlog_level = \"info\"\n")
-    daemon = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--config", str(workdir / "tp.toml"),
-                               "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
-                               "--state-dir", str(workdir / "state")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                _scrape(url)
-                break
-            except OSError:
-                time.sleep(0.05)
+    config = "[runs]\nseries_limit_per_run = 100000\n[daemon]\nlog_level = \"info\"\n"
+    with running_daemon(Path(tempfile.mkdtemp(prefix="torchpulse-ingest-")), config) as bench_daemon:
+        daemon, sock, url = bench_daemon.proc, bench_daemon.socket_path, bench_daemon.url
         print(f"daemon pid {daemon.pid}, {os.cpu_count()} cores; flood batch = "
               f"{_items(_flood_batch(1))} items, {len(encode(_flood_batch(1)))} bytes")
 
@@ -190,9 +173,6 @@ def main() -> int:
         for s in ranks:
             s.close()
         return 0
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import random
 import selectors
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import running_daemon
 from bench.ingest import _cpu_seconds, _rss_mib
 from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode
@@ -385,34 +385,15 @@ def main() -> int:
     parser.add_argument("--steps-per-second", type=float, default=50.0)
     parser.add_argument("--scrape-interval", type=float, default=1.0)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="torchpulse-load-"))
-    sock = workdir / "agent.sock"
-    with socket.socket() as port_sock:
-        port_sock.bind(("127.0.0.1", 0))
-        port = port_sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/metrics"
-    (workdir / "tp.toml").write_text('[daemon]\nlog_level = "info"\n')
-    log_path = workdir / "daemon.log"
-    with log_path.open("wb") as log_file:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "torchpulse", "daemon", "--config", str(workdir / "tp.toml"), "--socket", str(sock),
-             "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                _scrape(url)
-                break
-            except OSError:
-                time.sleep(0.05)
-        print(f"daemon pid {daemon.pid}, {os.cpu_count()} cores, log {log_path}; load for {args.minutes:g} min")
-        return run_load(sock, url, daemon.pid, args)
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
-        print(f"daemon log: {log_path.stat().st_size / 1e6:.1f} MB written")
-
+    config = '[daemon]\nlog_level = "info"\n'
+    with running_daemon(Path(tempfile.mkdtemp(prefix="torchpulse-load-")), config, log=True) as daemon:
+        log_path = daemon.log_path
+        assert log_path is not None
+        print(f"daemon pid {daemon.proc.pid}, {os.cpu_count()} cores, log {log_path}; load for {args.minutes:g} min")
+        try:
+            return run_load(daemon.socket_path, daemon.url, daemon.proc.pid, args)
+        finally:
+            print(f"daemon log: {log_path.stat().st_size / 1e6:.1f} MB written")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchpulse
-from bench.harness import Variant, interleaved, report
+from bench.harness import Variant, interleaved, report, running_daemon
 
 
 def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, object]:
@@ -69,16 +68,8 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    workdir = Path(tempfile.mkdtemp(prefix="torchpulse-bench-"))
-    sock = workdir / "agent.sock"
-    daemon = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock),
-                               "--listen", "127.0.0.1:0", "--state-dir", str(workdir / "state")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        agent = torchpulse.attach(socket=str(sock), probes=("optimizer",))
+    with running_daemon(Path(tempfile.mkdtemp(prefix="torchpulse-bench-"))) as daemon:
+        agent = torchpulse.attach(socket=str(daemon.socket_path), probes=("optimizer",))
         assert agent is not None
         probe = agent.probes["optimizer"]
         _, _, step = _model_step(args.d_model, 8, 128)
@@ -96,9 +87,6 @@ def main() -> int:
         print(f"  events dropped by the agent: {agent.dropped_total}")
         torchpulse.detach()
         return 0 if ok else 1
-    finally:
-        daemon.terminate()
-        daemon.wait(10)
 
 
 if __name__ == "__main__":

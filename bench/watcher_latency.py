@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import REPO, running_daemon
+
 SAVE_SCRIPT = REPO / "tests" / "checkpoints" / "ckpt_save.py"
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _validations(url: str) -> float:
@@ -75,48 +73,35 @@ def main() -> int:
     root.mkdir()
     subprocess.run([sys.executable, str(SAVE_SCRIPT), "single", str(source)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    config = work / "tp.toml"
-    config.write_text(f'[checkpoints]\nroots = [{{ path = "{root}", observer = "{args.observer}" }}]\n'
-                      "poll_interval_seconds = 1\n")
-    port, log = _port(), work / "daemon.log"
-    with log.open("wb") as out:
-        daemon = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--config", str(config),
-                                   "--socket", str(work / "a.sock"), "--listen", f"127.0.0.1:{port}",
-                                   "--state-dir", str(work / "state")], stdout=out, stderr=subprocess.STDOUT,
-                                  cwd=REPO)
-    url = f"http://127.0.0.1:{port}/metrics"
+    config = (f'[checkpoints]\nroots = [{{ path = "{root}", observer = "{args.observer}" }}]\n'
+              "poll_interval_seconds = 1\n")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _validations(url)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        totals, overheads = [], []
-        for step in range(args.repeats):
-            before = _validations(url)
-            target = root / f"step-{step}"
-            started = _commit(source, target)
-            while _validations(url) == before:
-                time.sleep(0.005)
-            total = time.perf_counter() - started
-            validation = _durations(log).get(str(target), 0.0)
-            totals.append(total)
-            overheads.append(total - validation)
-            print(f"step {step}: metadata -> metric {total:.3f} s  (validation {validation:.3f} s, "
-                  f"watcher {total - validation:.3f} s)")
-        print(f"\n{args.observer}: median metadata -> metric {statistics.median(totals):.3f} s; "
-              f"median watcher latency excluding validation {statistics.median(overheads):.3f} s "
-              f"(target <= 1 s); debounce is 0.2 s of it")
+        with running_daemon(work, config, log=True) as daemon:
+            _measure(daemon.url, daemon.log_path, source, root, args)
     finally:
-        daemon.terminate()
-        daemon.wait(10)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
+
+def _measure(url: str, log: Path | None, source: Path, root: Path, args: argparse.Namespace) -> None:
+    """Commit checkpoints one by one and time `.metadata` appearing to the metric moving."""
+    assert log is not None
+    totals, overheads = [], []
+    for step in range(args.repeats):
+        before = _validations(url)
+        target = root / f"step-{step}"
+        started = _commit(source, target)
+        while _validations(url) == before:
+            time.sleep(0.005)
+        total = time.perf_counter() - started
+        validation = _durations(log).get(str(target), 0.0)
+        totals.append(total)
+        overheads.append(total - validation)
+        print(f"step {step}: metadata -> metric {total:.3f} s  (validation {validation:.3f} s, "
+              f"watcher {total - validation:.3f} s)")
+    print(f"\n{args.observer}: median metadata -> metric {statistics.median(totals):.3f} s; "
+          f"median watcher latency excluding validation {statistics.median(overheads):.3f} s "
+          f"(target <= 1 s); debounce is 0.2 s of it")
 
 if __name__ == "__main__":
     raise SystemExit(main())
