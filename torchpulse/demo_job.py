@@ -1,10 +1,10 @@
 """A small real training job for `make demo` and the integration tests.
 
 A 2-layer transformer encoder trained on random tokens with AdamW and a
-step-decay schedule, on CPU; a gloo group when started by torchrun. Options
-exercise every probe: a compiled helper that recompiles once and breaks its
-graph, an injected non-finite gradient (the step is then skipped, as
-GradScaler would), and DCP checkpoints. It knows nothing about torchpulse: it
+step-decay schedule, on CPU; DistributedDataParallel over gloo when started
+by torchrun. Options exercise every probe: a compiled helper that recompiles
+once and breaks its graph, an injected non-finite gradient (the step is then
+skipped, as GradScaler would), and DCP checkpoints. It knows nothing about torchpulse: it
 runs under `torchpulse run`, which attaches the agent without code changes.
 """
 
@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    # The process group serves the DCP save only. Not DDP: on torch 2.13 a DDP
-    # job with the autograd probe sometimes deadlocks at exit inside gloo's
-    # teardown (see the issue notes); the ranks here train independently.
     distributed = _distributed()
     model: nn.Module = TinyLM()
+    if distributed:
+        # Gradients are averaged over gloo, as a real data-parallel job does.
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # Halve the learning rate every quarter of the run, so the exported lr moves.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, args.steps // 4), gamma=0.5)

@@ -88,3 +88,31 @@ def test_recompiles_reach_the_daemon(daemon: DaemonProcess, tmp_path: Path) -> N
     # f twice, g, and the resume function after its graph break.
     assert [4.0] == list(select(samples, "torchpulse_compile_frames_total", run="compile-e2e",
                                 status="ok").values())
+
+
+LATE_DYNAMO_JOB = r"""
+import sys, torch
+from tests.support import local_agent
+agent = local_agent(("optimizer", "autograd", "compile", "cudagraphs", "checkpoint"))
+loaded_at_attach = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(2, 4)).sum().backward()
+optimizer.step()  # torch's first optimizer step imports Dynamo: the probes finish installing then
+compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+compiled(torch.randn(3))
+compiled(torch.randn(5))  # a shape recompile
+agent.drain()
+frames = agent.store.value("compile_frames_total", ("ok",))
+errors = sum(agent.store.value("agent_probe_errors_total", (p,)) or 0 for p in agent.probes)
+agent.shutdown()
+print(loaded_at_attach, frames, errors)
+"""
+
+
+def test_attach_imports_no_dynamo_and_still_sees_compiles_after_the_job_imports_it() -> None:
+    """Attach leaves Dynamo and Inductor unimported (an early Dynamo import makes DDP over gloo
+    hang at exit now and then); the compile probe installs when the job imports Dynamo."""
+    out = subprocess.run([sys.executable, "-c", LATE_DYNAMO_JOB], cwd=REPO, capture_output=True, text=True,
+                         timeout=240)
+    assert "[] 2.0 0" == out.stdout.strip(), out.stderr[-3000:]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from torchpulse.probes.after_import import AfterImport
 from torchpulse.probes.logs import get_logger
 
 if TYPE_CHECKING:
@@ -86,6 +89,26 @@ class Probe:
     def _keep(self, handle: Removable) -> None:
         self._handles.append(handle)
 
+    def _install_after_import(self, module: str, install: Callable[[], None]) -> None:
+        """Run `install` now if the job imported `module`, else right after it does.
+
+        The deferred call runs inside the job's import statement: a failure
+        there disables this probe and never reaches the import.
+        """
+        if module in sys.modules:
+            install()
+            return
+
+        def deferred(_module: ModuleType) -> None:
+            if not (self.enabled and self.agent.enabled):
+                return
+            try:
+                install()
+            except Exception as exc:  # probe bugs must never reach the job
+                self.fail(exc)
+
+        self._keep(AfterImport(module, deferred))
+
     def _set_enabled_gauge(self, value: float) -> None:
         self.agent.store.set("agent_probe_enabled", (self.name,), value)
 
@@ -121,8 +144,8 @@ class Probe:
             finally:
                 _depth.value -= 1
 
-        import torch
+        from torchpulse.probes.torch_features import disable_tracing
 
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.
-        return torch.compiler.disable(guarded)  # type: ignore[no-untyped-call,no-any-return]
+        return disable_tracing(guarded)  # type: ignore[return-value]

@@ -13,12 +13,10 @@ import it: when the job has not imported it yet, a meta-path hook patches
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
@@ -64,35 +62,6 @@ class _Patch:
                 setattr(module, self.name, self.original)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback(module)` right after `name` executes, then steps aside."""
-
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = spec.loader if spec is not None else None
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return None
-        original_exec = loader.exec_module
-        callback = self.callback
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            callback(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-
 def _called_by_dcp() -> bool:
     """True when the caller is torch.distributed.checkpoint itself (saves are rare: a frame look is cheap)."""
     caller = sys._getframe(2).f_code.co_filename
@@ -103,13 +72,7 @@ class CheckpointProbe(Probe):
     name = "checkpoint"
 
     def _install(self) -> None:
-        saver = sys.modules.get(SAVER)
-        if saver is not None:
-            self._patch(saver)
-        else:
-            hook = _AfterImport(SAVER, self.guard(self._patch))
-            sys.meta_path.insert(0, hook)
-            self._keep(hook)
+        self._install_after_import(SAVER, lambda: self._patch(sys.modules[SAVER]))
 
     def _patch(self, saver: ModuleType) -> None:
         for api in APIS:

@@ -121,6 +121,11 @@ class CompileProbe(Probe):
         self._frames: dict[str, str] = {}
 
     def _install(self) -> None:
+        # Nothing to observe before the job imports Dynamo, and importing it here
+        # would change the job (see `torch_features.DYNAMO`).
+        self._install_after_import(tf.DYNAMO, self._install_with_dynamo)
+
+    def _install_with_dynamo(self) -> None:
         for feature in tf.missing("compilation_metrics_log", "compile_callbacks"):
             log.warning("compile probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         if tf.has("compilation_metrics_log"):

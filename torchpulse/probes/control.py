@@ -71,11 +71,12 @@ class Control:
     def install(self) -> None:
         """Count steps and apply commands from a hook of our own, independent of any probe,
         so that `ctl disable optimizer` can be undone by `ctl enable optimizer`."""
-        import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        from torchpulse.probes.torch_features import disable_tracing
+
         if self._handle is None:
-            hook = torch.compiler.disable(self._after_step)  # type: ignore[no-untyped-call]
+            hook = disable_tracing(self._after_step)
             self._handle = register_optimizer_step_post_hook(hook)
 
     def uninstall(self) -> None:

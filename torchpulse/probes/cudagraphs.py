@@ -136,16 +136,27 @@ class CudaGraphProbe(Probe):
         # Skip accounting: counter increments no message explains are CPU-device skips.
         self._skip_messages = 0
         self._skip_unexplained = 0
-        self._skip_last = self._skip_base = tf.dynamo_counter("inductor", "cudagraph_skips") \
-            if tf.has("dynamo_counters") else 0
-        self._nonstatic_last = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs") \
-            if tf.has("dynamo_counters") else 0
+        # Baselines are read when Dynamo is loaded (`_install_with_dynamo`), never before.
+        self._skip_last = self._skip_base = 0
+        self._nonstatic_last = 0
+
+    def _read_baselines(self) -> None:
+        if tf.has("dynamo_counters"):
+            self._skip_last = self._skip_base = tf.dynamo_counter("inductor", "cudagraph_skips")
+            self._nonstatic_last = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
 
     def _install(self) -> None:
+        # Everything here reads Dynamo or Inductor: wait for the job to import Dynamo
+        # (a compile, or its first optimizer step) instead of importing it now.
+        self._install_after_import(tf.DYNAMO, self._install_with_dynamo)
+
+    def _install_with_dynamo(self) -> None:
+        _skip_tracing_once()
         for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args",
                                   "cudagraph_tree_managers"):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
+        self._read_baselines()
         self._tap(tf.CUDAGRAPHS_LOGGER, logging.WARNING, self._on_cudagraphs_record)
         if tf.cuda_present():
             # Only a CUDA process builds graph trees; elsewhere a DEBUG level on
@@ -339,6 +350,12 @@ class CudaGraphProbe(Probe):
                             cpu_step_tensors=r.cpu_step_tensors)
 
 
-# Dynamo treats a skipped function like a disabled one when a compiled
-# `optimizer.step` calls hooks, without a wrapper in eager mode.
-tf.skip_tracing(CudaGraphProbe._every_step)
+_skipped: list[bool] = []
+
+
+def _skip_tracing_once() -> None:
+    # Dynamo treats a skipped function like a disabled one when a compiled
+    # `optimizer.step` calls hooks, without a wrapper in eager mode.
+    if not _skipped:
+        tf.skip_tracing(CudaGraphProbe._every_step)
+        _skipped.append(True)

@@ -9,7 +9,9 @@ Verified against torch 2.13; earlier notes say where behaviour changed.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -34,6 +36,13 @@ CUDAGRAPHS_LOGGER: Final = "torch._inductor.cudagraph_utils.__cudagraphs"
 # parent's filters never see propagated records, and lowering the parent's
 # level lets the artifact's DEBUG lines through to torch's stderr handler.
 CUDAGRAPH_TREES_LOGGER: Final = "torch._inductor.cudagraph_trees.__cudagraphs"
+
+# The job's own import of Dynamo is the signal to finish installing the compile
+# and CUDA-graph probes; the agent never imports it first. On torch 2.13 a
+# `torch._dynamo` imported before `init_process_group` makes DDP over gloo hang
+# at exit now and then (the Reducer drops the last process-group reference with
+# the GIL held while a gloo worker waits for it); vanilla jobs import it later.
+DYNAMO: Final = "torch._dynamo"
 
 # -- message markers -----------------------------------------------------------
 RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
@@ -144,6 +153,26 @@ def missing(*names: str) -> list[Feature]:
 
 
 # -- accessors (call only when the matching feature is available) -------------
+def disable_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Keep Dynamo out of `fn` (a hook): a graph break and an eager call, never baked in.
+
+    `torch._disable_dynamo` imports Dynamo at the first call instead of now,
+    so wrapping a hook at attach does not import it (see `DYNAMO`).
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if callable(lazy):
+        if not isinstance(fn, types.FunctionType):
+            # It caches the disabled version on the function: a bound method takes no attributes.
+            method = fn
+
+            @functools.wraps(method)
+            def fn(*args: Any, **kwargs: Any) -> Any:
+                return method(*args, **kwargs)
+
+        return lazy(fn)  # type: ignore[no-any-return]
+    return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return,unused-ignore]
+
+
 def skip_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Keep Dynamo from tracing `fn` without an eager-mode wrapper; else fall back to disable()."""
     try:
