@@ -21,6 +21,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 Sizes = tuple[int, int, int]
 # Frames of these files sit between torch's step wrapper and our hook.
-_WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), str(Path(torch.__file__).resolve().parent / "_dynamo"))
+_WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), *tf.TRACING_WRAPPER_PATHS)
 
 
 def _step_wrapper_frame() -> FrameType | None:

@@ -14,6 +14,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -150,6 +151,11 @@ def has(name: str) -> bool:
 
 def missing(*names: str) -> list[Feature]:
     return [features()[name] for name in names if not features()[name].available]
+
+
+# Files whose frames `disable_tracing` puts between a hook's caller and the hook.
+_TORCH_DIR = Path(torch.__file__).resolve().parent
+TRACING_WRAPPER_PATHS: Final = (str(_TORCH_DIR / "_dynamo"), str(_TORCH_DIR / "_compile.py"))
 
 
 # -- accessors (call only when the matching feature is available) -------------
