@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def disable_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     so wrapping a hook at attach does not import it (see `DYNAMO`).
     """
     lazy = getattr(torch, "_disable_dynamo", None)
-    if callable(lazy):
+    if callable(lazy) and DYNAMO not in sys.modules:  # once loaded, skip the lazy layer's extra call
         if not isinstance(fn, types.FunctionType):
             # It caches the disabled version on the function: a bound method takes no attributes.
             method = fn
