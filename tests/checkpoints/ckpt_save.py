@@ -118,6 +118,9 @@ def save_distributed(kind: str, out: Path, rank: int, world: int, store: str) ->
         FileSystemWriter.write_data = die_after_write  # type: ignore[assignment]
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
     dist.destroy_process_group()
+    if kind != "crash":  # (that one's directory is the checkpoint itself, watched by a daemon)
+        # Everything this rank had to do is done: a crash from here on is torch's interpreter teardown.
+        (out / f".done-{kind}-{rank}").touch()
 
 
 SINGLE_KINDS = ("single", "flat", "model_only", "zstd", "safetensors")
