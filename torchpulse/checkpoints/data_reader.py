@@ -10,6 +10,7 @@ here, lazily, and only to look at numbers (`torch.frombuffer`), never to unpickl
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import struct
@@ -334,14 +335,10 @@ def _stream_storage(
     entry: StorageEntry,
 ) -> int:
     itemsize = DTYPE_ITEMSIZE.get(record.dtype, 1)
-    numel = 1
-    for d in record.shape:
-        numel *= d
+    numel = math.prod(record.shape)
     # Values outside the tensor's view of its storage are not the tensor's business.
     lo, hi = record.storage_offset * itemsize, (record.storage_offset + numel) * itemsize
-    values = (
-        _ValueCheck(record.dtype, _is_second_moment(entry.key)) if check and record.dtype in _FLOAT_DTYPES else None
-    )
+    values = _value_check(record.dtype, entry.key, check)
     crc, at, scalar_raw = 0, 0, b""
     for block in source.blocks(start, m.size, buf):
         crc = _crc32(block, crc)
@@ -352,18 +349,7 @@ def _stream_storage(
             if numel == 1:
                 scalar_raw += bytes(block[a - at : b - at])
         at += len(block)
-    scalar = _scalar(scalar_raw, record.dtype) if numel == 1 else None
-    acc.tensors.append(
-        StoredTensor(
-            entry.key,
-            entry.chunk_offsets or (),
-            record.dtype,
-            record.shape,
-            values.nonfinite if values else 0,
-            values.negative if values else 0,
-            scalar,
-        )
-    )
+    acc.tensors.append(_stored(entry, record.dtype, record.shape, values, scalar_raw if numel == 1 else None))
     return crc
 
 
@@ -377,28 +363,33 @@ def _read_raw_tensor(
 ) -> None:
     tensor = ckpt.tensors[entry.key]
     chunk = next(c for c in tensor.chunks if c.offsets == entry.chunk_offsets)
-    numel = 1
-    for d in chunk.sizes:
-        numel *= d
-    values = (
-        _ValueCheck(tensor.dtype, _is_second_moment(entry.key)) if check and tensor.dtype in _FLOAT_DTYPES else None
-    )
+    numel = math.prod(chunk.sizes)
+    values = _value_check(tensor.dtype, entry.key, check)
     raw = b""
     for block in source.blocks(0, entry.length, buf):
         if values is not None:
             values.update(block)
         if numel == 1:
             raw += bytes(block)
-    acc.tensors.append(
-        StoredTensor(
-            entry.key,
-            entry.chunk_offsets or (),
-            tensor.dtype,
-            chunk.sizes,
-            values.nonfinite if values else 0,
-            values.negative if values else 0,
-            _scalar(raw, tensor.dtype) if numel == 1 else None,
-        )
+    acc.tensors.append(_stored(entry, tensor.dtype, chunk.sizes, values, raw if numel == 1 else None))
+
+
+def _value_check(dtype: str, key: str, check: bool) -> _ValueCheck | None:
+    """The NaN/Inf (and, for second moments, sign) check of one optimizer-state item, if it has one."""
+    return _ValueCheck(dtype, _is_second_moment(key)) if check and dtype in _FLOAT_DTYPES else None
+
+
+def _stored(entry: StorageEntry, dtype: str, shape: tuple[int, ...], values: _ValueCheck | None,
+            scalar_raw: bytes | None) -> StoredTensor:
+    """What one item holds: its dtype and shape, the value-check counts, and its value if a scalar."""
+    return StoredTensor(
+        entry.key,
+        entry.chunk_offsets or (),
+        dtype,
+        shape,
+        values.nonfinite if values else 0,
+        values.negative if values else 0,
+        None if scalar_raw is None else _scalar(scalar_raw, dtype),
     )
 
 

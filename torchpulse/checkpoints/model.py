@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
+
+# Files a DCP save writes data to: torch.save zips, or safetensors (HuggingFaceStorageWriter).
+DATA_SUFFIXES: Final = (".distcp", ".safetensors")
 
 
 class Severity(enum.Enum):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpulse.checkpoints.model import (
+    DATA_SUFFIXES,
     Checkpoint,
     Chunk,
     FileInfo,
@@ -34,7 +35,6 @@ from torchpulse.checkpoints.unpickler import (
 METADATA_NAME = ".metadata"
 HF_INDEX_NAME = "model.safetensors.index.json"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
-DATA_SUFFIXES = (".distcp", ".safetensors")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from torchpulse.checkpoints.model import DATA_SUFFIXES
 from torchpulse.daemon.watcher import is_metadata_name
 
 # Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked.
 MAX_DEPTH: Final = 4
-DATA_SUFFIXES: Final = (".distcp", ".safetensors")
 
 
 @dataclass(frozen=True, slots=True)

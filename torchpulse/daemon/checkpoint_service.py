@@ -22,12 +22,12 @@ from typing import Final
 
 import structlog
 
-from torchpulse.checkpoints.model import Level, ValidationResult
+from torchpulse.checkpoints.model import DATA_SUFFIXES, Level, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
-from torchpulse.daemon.checkpoint_scan import DATA_SUFFIXES, Scan, metadata_key, scan
+from torchpulse.daemon.checkpoint_scan import Scan, metadata_key, scan
 from torchpulse.daemon.checkpoint_state import Record, StateStore
 from torchpulse.daemon.checkpoint_stats import CheckpointStats
 from torchpulse.daemon.watcher import Watcher, WatchEvent

@@ -14,6 +14,7 @@ Sources, all read without changing what torch prints (see `compile_logtap`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -350,12 +351,8 @@ class CudaGraphProbe(Probe):
                             cpu_step_tensors=r.cpu_step_tensors)
 
 
-_skipped: list[bool] = []
-
-
+@functools.cache
 def _skip_tracing_once() -> None:
     # Dynamo treats a skipped function like a disabled one when a compiled
     # `optimizer.step` calls hooks, without a wrapper in eager mode.
-    if not _skipped:
-        tf.skip_tracing(CudaGraphProbe._every_step)
-        _skipped.append(True)
+    tf.skip_tracing(CudaGraphProbe._every_step)

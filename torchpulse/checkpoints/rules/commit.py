@@ -7,11 +7,10 @@ from collections.abc import Mapping
 from itertools import repeat
 from operator import itemgetter
 
-from torchpulse.checkpoints.model import Checkpoint, FileInfo, Finding
+from torchpulse.checkpoints.model import DATA_SUFFIXES, Checkpoint, FileInfo, Finding
 from torchpulse.checkpoints.rules import error, warning
 
 KNOWN_VERSIONS = frozenset({None, "1.0.0", "safetensors"})
-_DATA_SUFFIXES = (".distcp", ".safetensors")
 
 
 def commit_state(files: Mapping[str, FileInfo]) -> list[Finding]:
@@ -28,7 +27,7 @@ def commit_state(files: Mapping[str, FileInfo]) -> list[Finding]:
                     "only the temporary metadata exists: the save crashed between writing it and renaming it",
                 )
             ]
-        data = sum(1 for n in files if n.endswith(_DATA_SUFFIXES))
+        data = sum(1 for n in files if n.endswith(DATA_SUFFIXES))
         return [
             error(
                 "TP-CKPT-001",
