@@ -189,12 +189,9 @@ def main() -> None:
     parser.add_argument("--skip-data", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    try:
-        import isal  # noqa: F401
+    from torchpulse.checkpoints.crc import IMPLEMENTATION
 
-        print("crc32: isal")
-    except ImportError:
-        print("crc32: zlib (install isal for ~6x faster CRC)")
+    print(f"crc32: {IMPLEMENTATION}" + ("" if IMPLEMENTATION == "isal" else " (install isal for ~6x faster CRC)"))
     tmp = Path(tempfile.mkdtemp(prefix="torchpulse-bench-"))
     try:
         bench_tiling()

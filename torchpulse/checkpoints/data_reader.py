@@ -1,10 +1,11 @@
 """Data level: stream every item once, check CRC32, stored dtype/shape and state values.
 
-Memory stays bounded by two read buffers (plus one decompressed item for zstd):
-members are read in blocks into reused buffers, the CRC is updated
-incrementally, and value checks run on the same block while a second thread
-reads the next block into the other buffer. torch is imported only
-here, lazily, and only to look at numbers (`torch.frombuffer`), never to unpickle.
+Memory stays bounded by one block buffer per worker (plus one decompressed item
+for zstd): a long member is cut into one part per worker, and each worker reads
+its part block by block into its own reused buffer, updates the part's CRC and
+checks the block's values while it is still in cache; the parts' CRCs are then
+combined. torch is imported only here, lazily, and only to look at numbers
+(`torch.frombuffer`), never to unpickle.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import math
 import os
 import pickle
 import struct
-import zlib
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchpulse.checkpoints.crc import crc32, crc32_combine
 from torchpulse.checkpoints.model import (
     Checkpoint,
     DataReport,
@@ -40,12 +42,10 @@ from torchpulse.checkpoints.unpickler import (
 )
 from torchpulse.checkpoints.zipview import ZipFormatError, central_directory, data_offset
 
-try:  # ISA-L's CRC32 is ~6x zlib's; the result is identical.
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
-
-BLOCK_SIZE = 8 << 20
+# Blocks small enough to stay in cache between the read, the CRC and the value check:
+# measured on 1 GB, 512 KiB to 1 MiB blocks in two workers match `cat`; 8 MiB is 15% slower.
+BLOCK_SIZE = 1 << 20
+WORKERS = 2
 _FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 _PICKLE_CAP = 64 << 20
 
@@ -120,57 +120,95 @@ class _Source:
         assert self.fd is not None
         return os.pread(self.fd, n, self.base + offset)
 
-    def blocks(self, offset: int, n: int, bufs: _Buffers) -> Iterator[memoryview]:
-        """`n` bytes from `offset` in blocks; each view is valid until the next one is asked for."""
-        size = len(bufs.views[0])
-        if self.data is not None:
-            whole = memoryview(self.data)
-            for at in range(offset, offset + n, size):
-                yield whole[at : min(at + size, offset + n)]
-            return
-        if n <= size or bufs.pool is None:
-            yield from self._blocks_inline(offset, n, bufs.views[0])
-            return
-        # Read block i+1 on the pool's thread while the caller checks block i
-        # (preadv, CRC and torch reductions all release the GIL).
-        pending = bufs.pool.submit(self._read_block, bufs.views[0], offset, n)
-        done, turn = 0, 0
-        while done < n:
-            view = pending.result()
-            done += len(view)
-            turn ^= 1
-            if done < n:
-                pending = bufs.pool.submit(self._read_block, bufs.views[turn], offset + done, n - done)
-            try:
-                yield view
-            except GeneratorExit:
-                if done < n:  # never leave a read running into a buffer we give back
-                    with contextlib.suppress(Exception):
-                        pending.result()
-                raise
+    def scan(self, offset: int, n: int, workers: _Workers, window: _Window | None = None) -> _Scanned:
+        """CRC32 of bytes [offset, offset + n), and the value check of the part inside `window`.
 
-    def _blocks_inline(self, offset: int, n: int, view: memoryview) -> Iterator[memoryview]:
-        done = 0
-        while done < n:
-            got = self._read_block(view, offset + done, n - done)
-            yield got
-            done += len(got)
+        A long range is cut into one contiguous part per worker (at block
+        boundaries, so values stay aligned); each worker reads, checksums and
+        checks its part block by block while the block is in cache, and the
+        CRCs are combined. preadv, CRC32 and torch reductions all release the GIL.
+        """
+        parts = workers.split(n)
+        pending = [
+            workers.pool.submit(self._scan_part, offset, at, size, view, window)
+            for (at, size), view in zip(parts[1:], workers.views[1:], strict=False)
+            if workers.pool is not None
+        ]
+        try:
+            first = self._scan_part(offset, *parts[0], workers.views[0], window)
+        finally:
+            # Never leave a read running into a buffer that the next call reuses.
+            futures.wait(pending)
+        results = [p.result() for p in pending]
+        crc, nonfinite, negative = first.crc, first.nonfinite, first.negative
+        for (_, size), part in zip(parts[1:], results, strict=True):
+            crc = crc32_combine(crc, part.crc, size)
+            nonfinite += part.nonfinite
+            negative += part.negative
+        return _Scanned(crc, nonfinite, negative)
 
-    def _read_block(self, view: memoryview, offset: int, left: int) -> memoryview:
-        assert self.fd is not None
+    def _scan_part(self, offset: int, at: int, n: int, view: memoryview, window: _Window | None) -> _Scanned:
+        values = window.check() if window is not None else None
+        crc, end = 0, at + n
+        while at < end:
+            block = self._block(view, offset + at, end - at)
+            crc = crc32(block, crc)
+            if values is not None and window is not None:
+                a, b = max(window.lo, at), min(window.hi, at + len(block))
+                if a < b:
+                    values.update(block[a - at : b - at])
+            at += len(block)
+        if values is None:
+            return _Scanned(crc)
+        return _Scanned(crc, values.nonfinite, values.negative)
+
+    def _block(self, view: memoryview, offset: int, left: int) -> memoryview:
         want = min(len(view), left)
-        got = os.preadv(self.fd, [view[:want]], self.base + offset)
-        if got <= 0:
+        if self.data is not None:  # already in memory: no copy
+            block = memoryview(self.data)[offset : offset + want]
+        else:
+            assert self.fd is not None
+            block = view[: os.preadv(self.fd, [view[:want]], self.base + offset)]
+        if not block:
             raise ZipFormatError("unexpected end of file")
-        return view[:got]
+        return block
 
 
-class _Buffers:
-    """Two reusable read buffers and, for long members, one read-ahead thread."""
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """Where a tensor's values lie inside a member (bytes), and how to check them."""
 
-    def __init__(self, block_size: int, read_ahead: bool) -> None:
-        self.views = (memoryview(bytearray(block_size)), memoryview(bytearray(block_size)))
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchpulse-read") if read_ahead else None
+    lo: int
+    hi: int
+    dtype: str
+    check_sign: bool
+
+    def check(self) -> _ValueCheck:
+        return _ValueCheck(self.dtype, self.check_sign)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scanned:
+    crc: int
+    nonfinite: int = 0
+    negative: int = 0
+
+
+class _Workers:
+    """One reusable block buffer per worker, and a pool for all workers but the caller."""
+
+    def __init__(self, block_size: int, count: int) -> None:
+        self.block_size = block_size
+        self.views = tuple(memoryview(bytearray(block_size)) for _ in range(count))
+        self.pool = ThreadPoolExecutor(count - 1, thread_name_prefix="torchpulse-read") if count > 1 else None
+
+    def split(self, n: int) -> list[tuple[int, int]]:
+        """(start, length) of each worker's part of n bytes; one part when it is short."""
+        if self.pool is None or n < 2 * self.block_size:
+            return [(0, n)]
+        blocks = math.ceil(n / self.block_size)
+        per = math.ceil(blocks / len(self.views)) * self.block_size
+        return [(at, min(per, n - at)) for at in range(0, n, per)]
 
     def close(self) -> None:
         if self.pool is not None:
@@ -184,6 +222,7 @@ def read_data(
     drop_cache: bool = False,
     progress: Progress | None = None,
     block_size: int = BLOCK_SIZE,
+    workers: int = WORKERS,
 ) -> DataReport:
     """Read every item that the metadata level found in bounds; report what is stored.
 
@@ -192,7 +231,7 @@ def read_data(
     read, so a daemon's validation does not push the training job's data out.
     """
     with _single_threaded_torch():
-        return _read_all(ckpt, value_keys, drop_cache, progress, block_size)
+        return _read_all(ckpt, value_keys, drop_cache, progress, _Workers(block_size, workers))
 
 
 @contextlib.contextmanager
@@ -217,14 +256,13 @@ def _read_all(
     value_keys: frozenset[str],
     drop_cache: bool,
     progress: Progress | None,
-    block_size: int,
+    workers: _Workers,
 ) -> DataReport:
     acc = _Accumulator([], [], [])
-    buf = _Buffers(block_size, read_ahead=True)
     try:
-        _read_files(ckpt, value_keys, drop_cache, progress, buf, acc)
+        _read_files(ckpt, value_keys, drop_cache, progress, workers, acc)
     finally:
-        buf.close()
+        workers.close()
     return DataReport(tuple(acc.tensors), tuple(acc.bytes_items), tuple(acc.problems), acc.bytes_read)
 
 
@@ -233,7 +271,7 @@ def _read_files(
     value_keys: frozenset[str],
     drop_cache: bool,
     progress: Progress | None,
-    buf: _Buffers,
+    workers: _Workers,
     acc: _Accumulator,
 ) -> None:
     by_file: dict[str, list[StorageEntry]] = {}
@@ -253,7 +291,7 @@ def _read_files(
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for entry in sorted(by_file[name], key=lambda s: s.offset):
                 try:
-                    _read_item(ckpt, fd, entry, entry.key in value_keys, buf, acc)
+                    _read_item(ckpt, fd, entry, entry.key in value_keys, workers, acc)
                 except (
                     ZipFormatError,
                     pickle.UnpicklingError,
@@ -274,9 +312,11 @@ def _read_files(
             os.close(fd)
 
 
-def _read_item(ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, buf: _Buffers, acc: _Accumulator) -> None:
+def _read_item(
+    ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, workers: _Workers, acc: _Accumulator
+) -> None:
     if ckpt.format is Format.SAFETENSORS:
-        _read_raw_tensor(ckpt, _Source(fd, entry.offset, entry.length), entry, check, buf, acc)
+        _read_raw_tensor(ckpt, _Source(fd, entry.offset, entry.length), entry, check, workers, acc)
         return
     source = _Source(fd, entry.offset, entry.length)
     if entry.transforms:
@@ -296,15 +336,13 @@ def _read_item(ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, buf:
             if m.size > _PICKLE_CAP:
                 raise ZipFormatError("data.pkl is implausibly large")
             pickled = source.read_at(start, m.size)
-            crc = _crc32(pickled)
+            crc = crc32(pickled, 0)
             if entry.chunk_offsets is not None:
                 record = load_tensor_record(pickled)
         elif "/data/" in m.name and record is not None:
-            crc = _stream_storage(source, start, m, record, check, buf, acc, entry)
+            crc = _scan_storage(source, start, m, record, check, workers, acc, entry)
         else:
-            crc = 0
-            for block in source.blocks(start, m.size, buf):
-                crc = _crc32(block, crc)
+            crc = source.scan(start, m.size, workers).crc
         if crc != m.crc32:
             acc.problems.append(
                 ItemProblem(
@@ -324,13 +362,13 @@ def _read_item(ckpt: Checkpoint, fd: int, entry: StorageEntry, check: bool, buf:
         acc.tensors.append(StoredTensor(entry.key, entry.chunk_offsets, record.dtype, record.shape))
 
 
-def _stream_storage(
+def _scan_storage(
     source: _Source,
     start: int,
     m: Any,
     record: TensorRecord,
     check: bool,
-    buf: _Buffers,
+    workers: _Workers,
     acc: _Accumulator,
     entry: StorageEntry,
 ) -> int:
@@ -338,19 +376,10 @@ def _stream_storage(
     numel = math.prod(record.shape)
     # Values outside the tensor's view of its storage are not the tensor's business.
     lo, hi = record.storage_offset * itemsize, (record.storage_offset + numel) * itemsize
-    values = _value_check(record.dtype, entry.key, check)
-    crc, at, scalar_raw = 0, 0, b""
-    for block in source.blocks(start, m.size, buf):
-        crc = _crc32(block, crc)
-        a, b = max(lo, at), min(hi, at + len(block))
-        if a < b:
-            if values is not None:
-                values.update(block[a - at : b - at])
-            if numel == 1:
-                scalar_raw += bytes(block[a - at : b - at])
-        at += len(block)
-    acc.tensors.append(_stored(entry, record.dtype, record.shape, values, scalar_raw if numel == 1 else None))
-    return crc
+    scanned = source.scan(start, m.size, workers, _window(lo, hi, record.dtype, entry.key, check))
+    scalar = source.read_at(start + lo, min(hi, m.size) - lo) if numel == 1 else None
+    acc.tensors.append(_stored(entry, record.dtype, record.shape, scanned, scalar))
+    return scanned.crc
 
 
 def _read_raw_tensor(
@@ -358,37 +387,33 @@ def _read_raw_tensor(
     source: _Source,
     entry: StorageEntry,
     check: bool,
-    buf: _Buffers,
+    workers: _Workers,
     acc: _Accumulator,
 ) -> None:
     tensor = ckpt.tensors[entry.key]
     chunk = next(c for c in tensor.chunks if c.offsets == entry.chunk_offsets)
     numel = math.prod(chunk.sizes)
-    values = _value_check(tensor.dtype, entry.key, check)
-    raw = b""
-    for block in source.blocks(0, entry.length, buf):
-        if values is not None:
-            values.update(block)
-        if numel == 1:
-            raw += bytes(block)
-    acc.tensors.append(_stored(entry, tensor.dtype, chunk.sizes, values, raw if numel == 1 else None))
+    scanned = source.scan(0, entry.length, workers, _window(0, entry.length, tensor.dtype, entry.key, check))
+    scalar = source.read_at(0, entry.length) if numel == 1 else None
+    acc.tensors.append(_stored(entry, tensor.dtype, chunk.sizes, scanned, scalar))
 
 
-def _value_check(dtype: str, key: str, check: bool) -> _ValueCheck | None:
+def _window(lo: int, hi: int, dtype: str, key: str, check: bool) -> _Window | None:
     """The NaN/Inf (and, for second moments, sign) check of one optimizer-state item, if it has one."""
-    return _ValueCheck(dtype, _is_second_moment(key)) if check and dtype in _FLOAT_DTYPES else None
+    return _Window(lo, hi, dtype, _is_second_moment(key)) if check and dtype in _FLOAT_DTYPES else None
 
 
-def _stored(entry: StorageEntry, dtype: str, shape: tuple[int, ...], values: _ValueCheck | None,
-            scalar_raw: bytes | None) -> StoredTensor:
+def _stored(
+    entry: StorageEntry, dtype: str, shape: tuple[int, ...], scanned: _Scanned, scalar_raw: bytes | None
+) -> StoredTensor:
     """What one item holds: its dtype and shape, the value-check counts, and its value if a scalar."""
     return StoredTensor(
         entry.key,
         entry.chunk_offsets or (),
         dtype,
         shape,
-        values.nonfinite if values else 0,
-        values.negative if values else 0,
+        scanned.nonfinite,
+        scanned.negative,
         None if scalar_raw is None else _scalar(scalar_raw, dtype),
     )
 
