@@ -85,6 +85,13 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:
+                # Promote what was allocated meanwhile to the oldest generation in O(1):
+                # otherwise the first allocation after enable() scans the millions of
+                # new objects as one young generation (0.8 s for a million chunks).
+                # Skipped when the process froze objects itself (unfreeze would thaw them).
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
