@@ -183,3 +183,95 @@ def test_announced_roots_past_the_cap_fold_into_other(
 
     _run(tmp_path, config, body)
     assert sorted([str(first), str(second)]) == sorted(worker.calls)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """A job that stopped saving loses its watched root (series too), persistently; a new job gets the slot."""
+    config = CheckpointsConfig(max_announced_roots=1, debounce_seconds=0.0, announced_root_ttl_seconds=100.0)
+    first, second = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
+    commit_copy(saved_checkpoint, first)
+    commit_copy(saved_checkpoint, second)
+    clock = Clock()
+    (tmp_path / "state").mkdir()
+
+    async def main() -> None:
+        service = CheckpointService(config, tmp_path / "state", clock=clock)
+        await service.start()
+        try:
+            service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
+            await _until(lambda: service.stats.root(str(first.parent)).validations["valid"] == 1)
+            clock.now += 90.0  # a later save of job A keeps its root alive
+            service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
+            clock.now += 90.0
+            await service.sweep()
+            assert [str(first.parent)] == service.roots()
+            clock.now += 11.0
+            await service.sweep()
+            assert [] == service.roots()
+            assert str(first.parent) not in service.stats.roots
+            service.announce("b", 0, CheckpointSaved(str(second), "save", 1.0, True))
+            await _until(lambda: str(second.parent) in service.stats.roots
+                         and service.stats.roots[str(second.parent)].validations["valid"] == 1)
+        finally:
+            await service.close()
+        # After a restart: job B's root is back (and job A's, validated before, is not).
+        restarted = CheckpointService(config, tmp_path / "state", clock=clock)
+        await restarted.start()
+        try:
+            assert [str(second.parent)] == restarted.roots()
+            assert str(first.parent) not in restarted.stats.roots
+            assert restarted.stats.roots[str(second.parent)].last_status == "valid"
+            clock.now += 101.0  # nothing announced while it was down, either
+            await restarted.sweep()
+            assert [] == restarted.roots()
+        finally:
+            await restarted.close()
+
+    asyncio.run(main())
+    assert [str(first), str(second)] == worker.calls
+
+
+def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    root = tmp_path / "ckpts"
+    commit_copy(saved_checkpoint, root / "step-1")
+    config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await _until(lambda: service.stats.root(str(root)).last_status == "valid")
+
+    _run(tmp_path, config, body)
+
+    async def after(service: CheckpointService) -> None:
+        assert str(root) not in service.stats.roots
+
+    _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), after)
+
+
+def test_a_state_database_from_before_the_ttl_keeps_its_announced_roots(tmp_path: Path) -> None:
+    import sqlite3
+
+    from torchpulse.daemon.checkpoint_state import DB_NAME, StateStore
+
+    old = sqlite3.connect(tmp_path / DB_NAME)
+    old.execute("CREATE TABLE announced_roots (path TEXT PRIMARY KEY, added_at REAL NOT NULL)")
+    old.execute("INSERT INTO announced_roots VALUES ('/ckpt/a', 5.0)")
+    old.commit()
+    old.close()
+    store = StateStore(tmp_path)
+    assert {"/ckpt/a": 5.0} == store.announced_roots()
+    store.touch_announced_root("/ckpt/a", 9.0)
+    store.touch_announced_root("/ckpt/b", 7.0)
+    assert [("/ckpt/a", 9.0), ("/ckpt/b", 7.0)] == list(store.announced_roots().items())
+    store.remove_announced_root("/ckpt/a")
+    assert {"/ckpt/b": 7.0} == store.announced_roots()
+    store.close()

@@ -45,6 +45,9 @@ class CheckpointsConfig:
     # Directories announced by agents become roots too; past this many, their
     # metrics share the root label "other" (Prometheus cardinality).
     max_announced_roots: int = 16
+    # An announced root with no announcement for this long is no longer watched
+    # and its series go away: jobs end, and their slots are needed by new ones.
+    announced_root_ttl_seconds: float = 7 * 24 * 3600.0
     # Quiet time after `.metadata` appears before validating, so a burst of
     # events (rename, then attribute changes) makes one validation.
     debounce_seconds: float = 0.2
@@ -54,7 +57,8 @@ class CheckpointsConfig:
             raise ConfigError(f"checkpoints.level: expected metadata, data or load, got {self.level!r}")
         if self.observer not in OBSERVERS:
             raise ConfigError(f"checkpoints.observer: expected auto, inotify or polling, got {self.observer!r}")
-        positive = ("poll_interval_seconds", "incomplete_after_seconds", "validation_timeout_seconds")
+        positive = ("poll_interval_seconds", "incomplete_after_seconds", "validation_timeout_seconds",
+                    "announced_root_ttl_seconds")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"checkpoints.{name}: must be > 0")
@@ -73,8 +77,8 @@ class CheckpointsConfig:
 
 _NUMBERS: Final = {
     "poll_interval_seconds": float, "incomplete_after_seconds": float, "validation_timeout_seconds": float,
-    "debounce_seconds": float, "max_concurrent_validations": int, "validation_memory_limit_bytes": int,
-    "max_announced_roots": int,
+    "debounce_seconds": float, "announced_root_ttl_seconds": float, "max_concurrent_validations": int,
+    "validation_memory_limit_bytes": int, "max_announced_roots": int,
 }
 _STRINGS: Final = ("level", "observer")
 

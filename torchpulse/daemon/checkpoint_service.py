@@ -17,6 +17,7 @@ import functools
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -39,14 +40,16 @@ MAX_SWEEP_INTERVAL: Final = 60.0
 
 
 class CheckpointService:
-    def __init__(self, config: CheckpointsConfig, state_dir: Path, mounts: list[Mount] | None = None) -> None:
+    def __init__(self, config: CheckpointsConfig, state_dir: Path, mounts: list[Mount] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self._clock = clock  # wall clock: announcement times outlive the process
         self.stats = CheckpointStats()
         self._state_dir = state_dir
         self._mounts = mounts
         self._store: StateStore | None = None
         self._watcher: Watcher | None = None
-        self._announced: list[str] = []
+        self._announced: dict[str, float] = {}  # announced root -> last announcement
         self._folded: set[str] = set()
         self._wanted: dict[str, str] = {}  # root -> observer kind it should have
         self._watch_errors: dict[str, str] = {}
@@ -64,8 +67,10 @@ class CheckpointService:
         loop = asyncio.get_running_loop()
         self._store = StateStore(self._state_dir)
         self.stats.restore(self._store.latest_per_root(), self._store.last_valid_per_root())
-        self._announced = self._store.announced_roots()[: self.config.max_announced_roots]
+        kept = list(self._store.announced_roots().items())[: self.config.max_announced_roots]
+        self._announced = dict(kept)
         self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds)
+        self._expire_announced()
         self._sync_roots()
         self._background = [asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
                             asyncio.create_task(self._sweeps(), name="checkpoint-sweep")]
@@ -96,6 +101,10 @@ class CheckpointService:
         """(roots watched, roots whose latest checkpoint is not valid)."""
         return len(self._roots()), self.stats.not_valid()
 
+    def roots(self) -> list[str]:
+        """The roots wanted now, configured and announced, sorted."""
+        return sorted(self._roots())
+
     # -- roots ------------------------------------------------------------------
     def _roots(self) -> dict[str, str]:
         """Root path -> configured observer (announced roots use the section's)."""
@@ -113,9 +122,27 @@ class CheckpointService:
             self._watcher.unwatch(root)
             log.info("stopped watching a checkpoint root", root=root)
         self._wanted = wanted
-        for root in wanted:
-            self.stats.root(self._label(root))
+        labels = {self._label(root) for root in wanted}
+        for label in labels:
+            self.stats.root(label)
+        # A root no longer configured or announced (restored from the state
+        # store, removed on SIGHUP, expired) must not export frozen series forever.
+        self.stats.retain(labels | {OTHER})
         self._rewatch()
+
+    def _expire_announced(self) -> None:
+        """Forget announced roots that no job has announced a save under for the TTL."""
+        now = self._clock()
+        expired = [root for root, last in self._announced.items()
+                   if now - last > self.config.announced_root_ttl_seconds]
+        for root in expired:
+            del self._announced[root]
+            assert self._store is not None
+            self._store.remove_announced_root(root)
+            log.info("announced checkpoint root expired: no save announced under it for the TTL",
+                     root=root, ttl_seconds=self.config.announced_root_ttl_seconds)
+        if expired and self._watcher is not None:
+            self._sync_roots()
 
     def _rewatch(self) -> None:
         """Schedule every wanted root that is not watched (new, failed before, or deleted)."""
@@ -165,12 +192,18 @@ class CheckpointService:
         if not Path(path).is_absolute():
             log.info("announced checkpoint is not a local path; not validated", run=run, path=saved.path)
             return
-        if self._root_of(path) is None:
+        assert self._store is not None
+        root = self._root_of(path)
+        if root in self._announced:
+            self._announced[root] = self._clock()
+            self._store.touch_announced_root(root, self._announced[root])
+        elif root is None:
+            self._expire_announced()
             parent = str(Path(path).parent)
             if len(self._announced) < self.config.max_announced_roots:
-                self._announced.append(parent)
-                assert self._store is not None
-                self._store.add_announced_root(parent, time.time())
+                self._announced[parent] = self._clock()
+                self._store.touch_announced_root(parent, self._announced[parent])
+                self._folded.discard(parent)
                 self._sync_roots()
             elif parent not in self._folded:
                 self._folded.add(parent)
@@ -286,6 +319,7 @@ class CheckpointService:
 
     async def sweep(self) -> None:
         """Catch up on what events missed, report stale uncommitted saves, re-watch lost roots."""
+        self._expire_announced()
         self._rewatch()
         assert self._store is not None
         now = time.time()

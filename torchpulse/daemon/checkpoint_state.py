@@ -35,6 +35,8 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE INDEX IF NOT EXISTS checkpoints_root ON checkpoints (root, committed_at);
 CREATE TABLE IF NOT EXISTS announced_roots (path TEXT PRIMARY KEY, added_at REAL NOT NULL);
 """
+# Added after the first release: databases written before it get the column at open.
+_LAST_ANNOUNCED: Final = "ALTER TABLE announced_roots ADD COLUMN last_announced_at REAL"
 # (rule, severity) -> count of findings, as stored in the `findings` column.
 FindingCounts = dict[tuple[str, str], int]
 
@@ -76,6 +78,7 @@ class StateStore:
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
             self._db.executescript(SCHEMA)
+            self._migrate()
             self._db.execute("PRAGMA journal_mode=WAL")
             self.persistent = True
         except sqlite3.Error as exc:
@@ -83,7 +86,13 @@ class StateStore:
             log.warning("checkpoint state not persistent; using memory", path=str(self.path), error=str(exc))
             self._db = sqlite3.connect(":memory:", isolation_level=None)
             self._db.executescript(SCHEMA)
+            self._migrate()
             self.persistent = False
+
+    def _migrate(self) -> None:
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(announced_roots)")}
+        if "last_announced_at" not in columns:
+            self._db.execute(_LAST_ANNOUNCED)
 
     def close(self) -> None:
         self._db.close()
@@ -118,11 +127,26 @@ class StateStore:
         ).fetchall()
         return {str(root): float(ts) for root, ts in rows}
 
-    def announced_roots(self) -> list[str]:
-        return [str(r[0]) for r in self._db.execute("SELECT path FROM announced_roots ORDER BY added_at")]
+    def announced_roots(self) -> dict[str, float]:
+        """Announced root -> when it was last announced (wall clock), most recent first."""
+        rows = self._db.execute(
+            "SELECT path, COALESCE(last_announced_at, added_at) AS last FROM announced_roots ORDER BY last DESC"
+        ).fetchall()
+        return {str(path): float(last) for path, last in rows}
 
-    def add_announced_root(self, path: str, now: float) -> None:
+    def touch_announced_root(self, path: str, now: float) -> None:
+        """Record an announcement under `path` (adding the root if it is new)."""
         try:
-            self._db.execute("INSERT OR IGNORE INTO announced_roots VALUES (?, ?)", (path, now))
+            self._db.execute(
+                "INSERT INTO announced_roots (path, added_at, last_announced_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(path) DO UPDATE SET last_announced_at = excluded.last_announced_at",
+                (path, now, now),
+            )
         except sqlite3.Error as exc:
             log.warning("cannot persist an announced root", path=path, error=str(exc))
+
+    def remove_announced_root(self, path: str) -> None:
+        try:
+            self._db.execute("DELETE FROM announced_roots WHERE path = ?", (path,))
+        except sqlite3.Error as exc:
+            log.warning("cannot forget an announced root", path=path, error=str(exc))

@@ -61,6 +61,11 @@ class CheckpointStats:
         if record.status == "valid" and (stats.last_valid is None or record.committed_at > stats.last_valid):
             stats.last_valid = record.committed_at
 
+    def retain(self, labels: set[str]) -> None:
+        """Drop the series of every root label not in `labels`."""
+        for label in set(self.roots) - labels:
+            del self.roots[label]
+
     def record(self, record: Record) -> None:
         """A validation that just finished."""
         stats = self.root(record.root)
