@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -133,6 +134,7 @@ class CudaGraphProbe(Probe):
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
         self._recording_started: float | None = None
         self._trees_dirty = False
+        self._trees_warned = False
         self._symint_ids: set[str] = set()
         # Skip accounting: counter increments no message explains are CPU-device skips.
         self._skip_messages = 0
@@ -153,8 +155,8 @@ class CudaGraphProbe(Probe):
 
     def _install_with_dynamo(self) -> None:
         _skip_tracing_once()
-        for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args",
-                                  "cudagraph_tree_managers"):
+        # Tree managers are detected once the job imports their module (`_read_trees`).
+        for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args"):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
         self._read_baselines()
@@ -274,25 +276,37 @@ class CudaGraphProbe(Probe):
             tracked.hinted = hint is not None
         self.agent.record(self._on_readiness, tracked.label, readiness, hint)
         self._poll_counters()
-        if self._trees_dirty and tf.has("cudagraph_tree_managers"):
+        if self._trees_dirty and tf.CUDAGRAPH_TREES in sys.modules:
             self._trees_dirty = False
-            managers = list(tf.tree_managers())
-            trees = nodes = 0
-            for manager in managers:
-                t, n = tf.count_tree_nodes(manager)
-                trees, nodes = trees + t, nodes + n
-            self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
+            if self._trees_usable():
+                managers, trees, nodes = self._read_trees()
+                self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
 
-    def dump_state(self) -> dict[str, str | int | float | bool | None]:
-        """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
-        where the (thread-local) tree manager lives."""
-        if not tf.has("cudagraph_tree_managers"):
-            return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
+    def _trees_usable(self) -> bool:
+        if tf.trees_loaded():
+            return True
+        if not self._trees_warned:
+            self._trees_warned = True
+            feature = tf.feature("cudagraph_tree_managers")
+            log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
+        return False
+
+    @staticmethod
+    def _read_trees() -> tuple[list[Any], int, int]:
         managers = list(tf.tree_managers())
         trees = nodes = 0
         for manager in managers:
             t, n = tf.count_tree_nodes(manager)
             trees, nodes = trees + t, nodes + n
+        return managers, trees, nodes
+
+    def dump_state(self) -> dict[str, str | int | float | bool | None]:
+        """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
+        where the (thread-local) tree manager lives."""
+        if tf.CUDAGRAPH_TREES in sys.modules and not tf.trees_loaded():
+            return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
+        # Module not imported: nothing compiled with CUDA graphs here, so no trees yet.
+        managers, trees, nodes = self._read_trees() if tf.trees_loaded() else ([], 0, 0)
         skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
         return {"available": True, "cuda": tf.cuda_present(), "managers": len(managers), "trees": trees,
                 "nodes": nodes, "pool_bytes": tf.pool_bytes(managers), "skips_total": skips}

@@ -45,6 +45,10 @@ CUDAGRAPH_TREES_LOGGER: Final = "torch._inductor.cudagraph_trees.__cudagraphs"
 # at exit now and then (the Reducer drops the last process-group reference with
 # the GIL held while a gloo worker waits for it); vanilla jobs import it later.
 DYNAMO: Final = "torch._dynamo"
+# Only an Inductor compile with CUDA graphs imports the tree module, and only
+# then can a tree manager exist. Importing it to look costs ~0.8 s and ~180
+# Inductor modules in every job (at its first optimizer step): never do.
+CUDAGRAPH_TREES: Final = "torch._inductor.cudagraph_trees"
 
 # -- message markers -----------------------------------------------------------
 RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
@@ -111,9 +115,10 @@ def _counters() -> bool:
 
 
 def _tree_managers() -> bool:
-    from torch._inductor import cudagraph_trees
-
-    return hasattr(cudagraph_trees, "local") and hasattr(cudagraph_trees, "get_manager")
+    module = sys.modules.get(CUDAGRAPH_TREES)
+    if module is None:  # `trees_loaded` asks only once the job imported it
+        raise ImportError(f"{CUDAGRAPH_TREES} is not imported by the job")
+    return hasattr(module, "local") and hasattr(module, "get_manager")
 
 
 def _static_address_type() -> bool:
@@ -138,20 +143,25 @@ _DETECTORS: Final[dict[str, Callable[[], object]]] = {
 FEATURES: dict[str, Feature] = {}
 
 
-def features() -> dict[str, Feature]:
-    """The feature-detection table, computed once per process."""
-    if not FEATURES:
-        for name, detector in _DETECTORS.items():
-            FEATURES[name] = _check(name, detector)
-    return FEATURES
+def feature(name: str) -> Feature:
+    """One row of the feature-detection table, detected at the first question, then kept."""
+    found = FEATURES.get(name)
+    if found is None:
+        found = FEATURES[name] = _check(name, _DETECTORS[name])
+    return found
 
 
 def has(name: str) -> bool:
-    return features()[name].available
+    return feature(name).available
 
 
 def missing(*names: str) -> list[Feature]:
-    return [features()[name] for name in names if not features()[name].available]
+    return [feature(name) for name in names if not feature(name).available]
+
+
+def trees_loaded() -> bool:
+    """Whether CUDA-graph trees can exist here: the job imported their module, and it has managers."""
+    return CUDAGRAPH_TREES in sys.modules and has("cudagraph_tree_managers")
 
 
 # Files whose frames `disable_tracing` puts between a hook's caller and the hook.
@@ -260,7 +270,7 @@ def is_static_for_cudagraphs(tensor: torch.Tensor) -> bool:
 
     if get_static_address_type(tensor) is not None:
         return True
-    if not has("cudagraph_tree_managers"):
+    if not trees_loaded():
         return False
     from torch._inductor.cudagraph_trees import get_manager
 
