@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from pathlib import Path
 
 import msgspec
 
-from tests.support import DaemonProcess, rejected_frames, select, send_raw, wait_for
+from tests.support import DaemonProcess, rejected_frames, select, send_raw, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
 from torchpulse.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Batch, Hello, Sample, encode
 
@@ -73,3 +74,40 @@ def test_hello_fields_longer_than_their_limit_are_refused(daemon: DaemonProcess)
     assert b"hello: command is longer than 512 characters" in command_reply
     assert b"hello: torch_version is longer than 200 characters" in version_reply
     assert [] == request_status(daemon.socket_path).runs
+
+
+def test_runs_and_ranks_past_their_caps_are_refused_and_ended_ones_make_room(tmp_path: Path) -> None:
+    """A client inventing run names or rank numbers cannot make the daemon hold more than the caps."""
+    config = tmp_path / "torchpulse.toml"
+    config.write_text("[runs]\nmax_runs = 2\nmax_ranks_per_run = 2\n")
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+
+    def hello(run: str, rank: int) -> Hello:
+        return Hello(run, rank, 0, 4, os.getpid(), "h", "2.13.0", "0.1.0", "test", 0.0)
+
+    def connect(run: str, rank: int) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(daemon.socket_path))
+        sock.sendall(encode(hello(run, rank)))
+        return sock
+
+    try:
+        a0, a1, b0 = connect("a", 0), connect("a", 1), connect("b", 0)
+        wait_for(lambda: 3.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
+        assert b"too_many_runs" in _send(daemon, encode(hello("c", 0)), close_write=False)
+        assert b"too_many_ranks" in _send(daemon, encode(hello("a", 2)), close_write=False)
+        assert {"too_many_runs": 1, "too_many_ranks": 1} == rejected_frames(daemon)
+        a1.close()  # a disconnected rank makes room for a new rank of its run
+        wait_for(lambda: 2.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
+        a2 = connect("a", 2)
+        b0.close()  # an ended run (in its grace period) makes room for a new run
+        wait_for(lambda: 2.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
+        c0 = connect("c", 0)
+        wait_for(lambda: 3.0 == select(daemon.scrape(), "torchpulse_daemon_connections")[()])
+        runs = {(r.run, tuple(sorted(k.rank for k in r.ranks))) for r in request_status(daemon.socket_path).runs}
+        assert {("a", (0, 2)), ("c", (0,))} == runs, runs
+        assert daemon.proc.poll() is None
+        for sock in (a0, a2, c0):
+            sock.close()
+    finally:
+        daemon.stop()

@@ -53,12 +53,15 @@ class DaemonSection:
 class RunsSection:
     grace_period_seconds: float = 300.0
     series_limit_per_run: int = 5000
+    max_runs: int = 1000
+    max_ranks_per_run: int = 1024
 
     def __post_init__(self) -> None:
         if self.grace_period_seconds < 0:
             raise ConfigError("runs.grace_period_seconds: must be >= 0")
-        if self.series_limit_per_run < 1:
-            raise ConfigError("runs.series_limit_per_run: must be >= 1")
+        for name in ("series_limit_per_run", "max_runs", "max_ranks_per_run"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"runs.{name}: must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+import structlog
+
 from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
+log = structlog.get_logger("torchpulse.daemon")
 MAX_LABEL_CHARS: Final = 200
 # run_info carries the command line; agents cut it at 256 characters.
 MAX_COMMAND_CHARS: Final = 512
@@ -76,9 +79,14 @@ def _update_step_rate(state: RankState, steps: float) -> None:
 
 
 class Registry:
-    def __init__(self, series_limit_per_run: int = 5000, grace_period: float = 300.0) -> None:
+    def __init__(self, series_limit_per_run: int = 5000, grace_period: float = 300.0, max_runs: int = 1000,
+                 max_ranks_per_run: int = 1024) -> None:
         self.series_limit_per_run = series_limit_per_run
         self.grace_period = grace_period
+        # Bounds on what a local client can make the daemon hold (a run name or a
+        # rank number per hello): ended runs and disconnected ranks make room first.
+        self.max_runs = max_runs
+        self.max_ranks_per_run = max_ranks_per_run
         self.runs: dict[str, RunState] = {}
         self.events_received = 0
         self.frames_rejected: Counter[str] = Counter()
@@ -98,9 +106,15 @@ class Registry:
                 raise FrameError("invalid_frame", f"hello: {name} is longer than {limit} characters")
         run = self.runs.get(hello.run)
         if run is None:
+            if len(self.runs) >= self.max_runs and not self._forget_oldest_ended_run():
+                raise FrameError("too_many_runs", f"the daemon already holds {self.max_runs} runs with a "
+                                 "connected agent (runs.max_runs); retrying")
             run = self.runs[hello.run] = RunState(hello.run)
-        run.ended_at = None
         previous = run.ranks.get(hello.rank)
+        if previous is None and len(run.ranks) >= self.max_ranks_per_run and not self._forget_a_rank(run):
+            raise FrameError("too_many_ranks", f"run {hello.run!r} already has {self.max_ranks_per_run} "
+                             "connected ranks here (runs.max_ranks_per_run); retrying")
+        run.ended_at = None
         if previous is not None and previous.hello.pid == hello.pid and previous.hello.host == hello.host:
             # The same process reconnecting: keep what it told us so far.
             previous.hello, previous.peer, previous.connected = hello, peer, True
@@ -112,6 +126,26 @@ class Registry:
             state = run.ranks[hello.rank] = RankState(hello, peer)
         self.connections += 1
         return run, state
+
+    def _forget_oldest_ended_run(self) -> bool:
+        ended = [(run.ended_at, name) for name, run in self.runs.items() if run.ended_at is not None]
+        if not ended:
+            return False
+        _, name = min(ended)
+        del self.runs[name]
+        log.info("ended run forgotten before its grace period to make room (runs.max_runs)", run=name,
+                 max_runs=self.max_runs)
+        return True
+
+    @staticmethod
+    def _forget_a_rank(run: RunState) -> bool:
+        gone = [(state.last_seen, rank) for rank, state in run.ranks.items() if not state.connected]
+        if not gone:
+            return False
+        _, rank = min(gone)
+        state = run.ranks.pop(rank)
+        run.series -= len(state.values) + len(state.histograms)
+        return True
 
     def disconnect(self, run: RunState, state: RankState) -> None:
         self.connections -= 1
