@@ -116,3 +116,26 @@ def test_resolver_finds_names_from_the_live_modules() -> None:
     param = model._orig_mod.layers[0].self_attn.out_proj.weight
     assert "layers.0.self_attn.out_proj.weight" == resolver.name(param)
     assert "<unnamed (3,)>" == resolver.name(torch.nn.Parameter(torch.ones(3)))
+
+
+def test_half_precision_gradients_are_reduced_in_float32_and_mixed_dtypes_grouped() -> None:
+    """Finite fp16/bf16 grads whose norm exceeds fp16's range are not non-finite; a NaN among
+    float32, float64 and bfloat16 parameters is found in its own dtype group."""
+    half = torch.nn.Parameter(torch.zeros(400, dtype=torch.float16))
+    brain = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    single = torch.nn.Parameter(torch.zeros(3))
+    double = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    with autograd_agent(grad_norm="1") as agent:
+        # d/dx of (x * 10000).sum() is 10000 per element: norm 200000, past fp16's 65504.
+        loss = (half * 10000).float().sum() + (brain * 2).float().sum() + single.sum() + double.sum().float()
+        loss.backward()
+        agent.drain()
+        assert agent.store.value("grad_nonfinite_passes_total", ()) is None
+        expected = math.sqrt(400 * 10000.0**2 + 3 * 4 + 3 + 3)
+        assert agent.store.value("grad_norm", ()) == pytest.approx(expected, rel=1e-3)
+        brain.grad = None
+        loss = (brain * math.nan).float().sum() + single.sum() + (half * 1).float().sum()
+        loss.backward()
+        agent.drain()
+        assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
+        assert 1 == agent.store.value("grad_nonfinite_parameters", ())
