@@ -1,8 +1,8 @@
 """Non-finite gradient detection with one fused reduction per device and no host sync.
 
 After a pass that accumulated into `.grad`, the per-parameter L2 norms are
-computed on the device by `torch._foreach_norm` (one kernel launch per device
-for all parameters; NaN/Inf in any element makes the norm non-finite). On CUDA
+computed on the device by `torch._foreach_norm` (one launch per device and
+dtype for all parameters; NaN/Inf in any element makes the norm non-finite). On CUDA
 the result is copied to pinned host memory with `non_blocking=True` and an
 event is recorded; `poll()` reads only checks whose event has completed, so the
 training thread never waits for the device.
@@ -68,7 +68,7 @@ class GradCheck:
 
     def launch(self, pass_index: int, kind: str) -> None:
         """Queue the fused norm reduction for every known parameter that has a gradient."""
-        groups: dict[torch.device, tuple[list[ParamRef], list[torch.Tensor]]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
         alive: list[ParamRef] = []
         alive_ids: set[int] = set()
         for ref in self._refs:
@@ -86,15 +86,15 @@ class GradCheck:
             # FSDP frees unsharded storage between uses; there is nothing to read.
             if param.untyped_storage().size() == 0 or grad.untyped_storage().size() == 0:
                 continue
-            refs, grads = groups.setdefault(grad.device, ([], []))
+            refs, grads = groups.setdefault((grad.device, grad.dtype), ([], []))
             refs.append(ref)
             grads.append(grad)
         if len(alive) != len(self._refs):
             self._refs = alive
             self._known = alive_ids
         with torch.no_grad():
-            for device, (refs, grads) in groups.items():
-                self._enqueue(_launch_group(pass_index, kind, device, refs, grads))
+            for (device, dtype), (refs, grads) in groups.items():
+                self._enqueue(_launch_group(pass_index, kind, device, dtype, refs, grads))
 
     def _enqueue(self, pending: _Pending) -> None:
         if len(self._pending) >= self._max_pending:
@@ -115,9 +115,18 @@ class GradCheck:
         self._pending.clear()
 
 
-def _launch_group(pass_index: int, kind: str, device: torch.device,
+# Half-precision norms overflow (fp16 tops out at 65504), so those reduce in
+# float32; float64 cannot (torch refuses a narrowing `dtype=`: with one launch
+# for all dtypes, a job with a float64 parameter disabled the probe).
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def _launch_group(pass_index: int, kind: str, device: torch.device, dtype: torch.dtype,
                   refs: list[ParamRef], grads: list[torch.Tensor]) -> _Pending:
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    if dtype in _FULL_PRECISION:
+        norms = torch.stack(torch._foreach_norm(grads, 2))
+    else:
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
     if device.type != "cuda":
         # CPU ops ran synchronously; other devices read back as on CPU.
         return _Pending(pass_index, kind, refs, norms.cpu(), None)
