@@ -165,7 +165,7 @@ EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
         "log_level": "info",
         "control_group": "",
     },
-    "runs": {"grace_period_seconds": 300, "series_limit_per_run": 5000},
+    "runs": {"grace_period_seconds": 300, "series_limit_per_run": 5000, "max_runs": 1000, "max_ranks_per_run": 1024},
     "checkpoints": {
         "roots": [],
         "level": "data",
