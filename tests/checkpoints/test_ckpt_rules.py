@@ -225,3 +225,31 @@ def test_no_optimizer_state_is_an_info_finding() -> None:
     """A model-only checkpoint says so instead of passing silently."""
     findings = metadata_findings(checkpoint([tensor("model.w", (2,))]))
     assert (["TP-CKPT-017"], Status.VALID) == (rules(findings), status_of(findings))
+
+
+_EXTRA = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.sampled_from(["f", "g", "missing"]),
+              st.integers(-2, 50), st.integers(-1, 12)),
+    max_size=4,
+)
+
+
+@given(st.sets(st.integers(0, 3), max_size=2), _EXTRA, st.sets(st.sampled_from(["a", "b", "c"])), st.booleans())
+def test_layout_rules_fast_paths_agree_with_the_exact_walks(
+    dropped: set[int], extra: list[tuple[str, int, str, int, int]], bytes_keys: set[str], per_rank: bool
+) -> None:
+    """The C-speed whole-column checks answer exactly what the per-item walks answer, on layouts
+    made from a valid one by dropping, duplicating, moving and adding entries."""
+    base = [("a", 0, "f", 0, 10), ("a", 1, "f", 10, 10), ("b", 0, "f", 20, 10), ("b", 1, "f", 30, 10)]
+    raw = [entry for i, entry in enumerate(base) if i not in dropped] + extra
+    storage = [StorageEntry(key, (o,), path, offset, length) for key, o, path, offset, length in raw]
+    storage += [StorageEntry(key, None, "f", 50, 1) for key in sorted(bytes_keys)]
+    tensors = [tensor(k, (4,), *(Chunk((o,), (1,)) for o in (0, 1))) for k in ("a", "b") if k not in bytes_keys]
+    ckpt = checkpoint(tensors, storage, {"f": FileInfo("f", 60, 50), "g": FileInfo("g", 8, 50)},
+                      bytes_keys=frozenset(bytes_keys))
+    if per_rank:
+        ckpt = Checkpoint(**{**{f: getattr(ckpt, f) for f in ckpt.__dataclass_fields__},
+                             "metadata_files": (FileInfo("__0.metadata", 1, 100), FileInfo("__1.metadata", 1, 100))})
+    assert commit._items_past_eof_exact(ckpt) == commit.items_past_eof(ckpt)
+    assert commit._overlapping_items_exact(ckpt) == commit.overlapping_items(ckpt)
+    assert commit._chunks_without_storage_exact(ckpt) == commit.chunks_without_storage(ckpt)
