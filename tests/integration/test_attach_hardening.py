@@ -39,11 +39,33 @@ def test_dataloader_workers_never_become_ranks(daemon: DaemonProcess, tmp_path: 
         [sys.executable, "-m", "torchpulse", "run", "--run-name", f"dl-{context}", "--",
          sys.executable, str(script), context],
         cwd=REPO, env=daemon.env(), capture_output=True, text=True, timeout=180)
-    assert (0, "") == (result.returncode, result.stderr)
+    assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
     connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected"]
     assert 1 == len(connected)
     steps = select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dl-{context}")
     assert [8.0] == list(steps.values())
+
+
+def _without_resource_tracker_warnings(stderr: str) -> str:
+    """stderr minus CPython's resource-tracker warnings about the job's own DataLoader queues.
+
+    Once in make test (spawn context, loaded machine) the tracker reported "1 leaked
+    semaphore" whose name was already unlinked: a shutdown race between DataLoader's
+    queue finalizers and the tracker. torchpulse uses no multiprocessing objects; run
+    by hand, the job printed it in 1 of 51 runs under `torchpulse run` and 0 of 51
+    without, and never in 12 reruns of this test.
+    """
+    lines = stderr.splitlines(keepends=True)
+    kept, skip_next = [], False
+    for line in lines:
+        if skip_next:  # the `warnings.warn(...)` source line printed under each warning
+            skip_next = False
+            continue
+        if "multiprocessing/resource_tracker.py" in line and "UserWarning: resource_tracker:" in line:
+            skip_next = True
+            continue
+        kept.append(line)
+    return "".join(kept)
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="remote attach is available on this Python")
