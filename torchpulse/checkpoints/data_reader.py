@@ -128,11 +128,10 @@ class _Source:
         checks its part block by block while the block is in cache, and the
         CRCs are combined. preadv, CRC32 and torch reductions all release the GIL.
         """
-        parts = workers.split(n)
-        pending = [
-            workers.pool.submit(self._scan_part, offset, at, size, view, window)
+        parts, pool = workers.split(n), workers.pool
+        pending = [] if pool is None else [
+            pool.submit(self._scan_part, offset, at, size, view, window)
             for (at, size), view in zip(parts[1:], workers.views[1:], strict=False)
-            if workers.pool is not None
         ]
         try:
             first = self._scan_part(offset, *parts[0], workers.views[0], window)

@@ -69,8 +69,8 @@ class CheckpointService:
         self.stats.restore(self._store.latest_per_root(), self._store.last_valid_per_root())
         kept = list(self._store.announced_roots().items())[: self.config.max_announced_roots]
         self._announced = dict(kept)
+        self._expire_announced()  # before the watcher exists: the one sync below covers it
         self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds)
-        self._expire_announced()
         self._sync_roots()
         self._background = [asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
                             asyncio.create_task(self._sweeps(), name="checkpoint-sweep")]

@@ -52,6 +52,11 @@ class RankState:
     render_cache: dict[SeriesKey, str | tuple[str, ...]] = field(default_factory=dict)
 
     @property
+    def series(self) -> int:
+        """Series this rank holds (they count against its run's series limit)."""
+        return len(self.values) + len(self.histograms)
+
+    @property
     def events_dropped(self) -> int:
         return int(sum(v for (name, _), v in self.values.items() if name == "agent_events_dropped_total"))
 
@@ -122,7 +127,7 @@ class Registry:
             state = previous
         else:
             if previous is not None:
-                run.series -= len(previous.values) + len(previous.histograms)
+                run.series -= previous.series
             state = run.ranks[hello.rank] = RankState(hello, peer)
         self.connections += 1
         return run, state
@@ -144,7 +149,7 @@ class Registry:
             return False
         _, rank = min(gone)
         state = run.ranks.pop(rank)
-        run.series -= len(state.values) + len(state.histograms)
+        run.series -= state.series
         return True
 
     def disconnect(self, run: RunState, state: RankState) -> None:

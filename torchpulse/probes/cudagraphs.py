@@ -303,10 +303,13 @@ class CudaGraphProbe(Probe):
     def dump_state(self) -> dict[str, str | int | float | bool | None]:
         """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
         where the (thread-local) tree manager lives."""
-        if tf.CUDAGRAPH_TREES in sys.modules and not tf.trees_loaded():
+        managers: list[Any]
+        if tf.CUDAGRAPH_TREES not in sys.modules:
+            managers, trees, nodes = [], 0, 0  # nothing compiled with CUDA graphs here yet
+        elif tf.trees_loaded():
+            managers, trees, nodes = self._read_trees()
+        else:
             return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
-        # Module not imported: nothing compiled with CUDA graphs here, so no trees yet.
-        managers, trees, nodes = self._read_trees() if tf.trees_loaded() else ([], 0, 0)
         skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
         return {"available": True, "cuda": tf.cuda_present(), "managers": len(managers), "trees": trees,
                 "nodes": nodes, "pool_bytes": tf.pool_bytes(managers), "skips_total": skips}
