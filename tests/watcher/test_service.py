@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ class FakeWorker:
 
     def __init__(self, seconds: float = 0.05) -> None:
         self.seconds = seconds
+        self.invalid: set[str] = set()  # paths reported invalid
         self.calls: list[str] = []
         self.running = self.most = 0
 
@@ -32,7 +34,8 @@ class FakeWorker:
         self.most = max(self.most, self.running)
         await asyncio.sleep(self.seconds)
         self.running -= 1
-        return ValidationResult(path, Status.VALID, level, (), {"bytes": 10})
+        status = Status.INVALID if path in self.invalid else Status.VALID
+        return ValidationResult(path, status, level, (), {"bytes": 10})
 
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -274,4 +277,39 @@ def test_a_state_database_from_before_the_ttl_keeps_its_announced_roots(tmp_path
     assert [("/ckpt/a", 9.0), ("/ckpt/b", 7.0)] == list(store.announced_roots().items())
     store.remove_announced_root("/ckpt/a")
     assert {"/ckpt/b": 7.0} == store.announced_roots()
+    store.close()
+
+
+def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """The state file follows the job's retention; the newest and newest valid records restore series."""
+    from torchpulse.daemon.checkpoint_state import StateStore
+
+    root = tmp_path / "root"
+    steps = [root / f"step-{n}" for n in range(1, 5)]
+    for n, step in enumerate(steps):
+        commit_copy(saved_checkpoint, step)
+        os.utime(step / ".metadata", (1000.0 + n, 1000.0 + n))
+    worker.invalid.add(str(steps[3]))
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await _until(lambda: sum(service.stats.root(str(root)).validations.values()) == 4)
+        for step in (steps[0], steps[2], steps[3]):
+            shutil.rmtree(step)
+        await service.prune()
+
+    _run(tmp_path, config, body)
+    store = StateStore(tmp_path / "state")
+    # step-1 is gone; step-2 exists; step-3 is the newest valid, step-4 the newest.
+    assert [False, True, True, True] == [store.key_of(str(step)) is not None for step in steps]
+    store.close()
+
+    async def unmounted(service: CheckpointService) -> None:
+        shutil.rmtree(steps[1])  # the root is now empty, as an unmounted mount point looks
+        await service.prune()
+
+    _run(tmp_path, config, unmounted)
+    store = StateStore(tmp_path / "state")
+    assert store.key_of(str(steps[1])) is not None
     store.close()

@@ -82,3 +82,33 @@ def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
                     continue
             result.uncommitted.append(Uncommitted(dirpath, newest))
     return result
+
+
+def deleted(paths: list[str]) -> list[bool]:
+    """Whether each directory is gone for good, not merely out of reach.
+
+    Gone: it does not exist and its nearest existing ancestor has entries. An
+    unmounted network filesystem leaves an empty mount point behind, and a
+    record forgotten then would cost a full re-validation after the remount.
+    Any other error (permissions, a stale handle) counts as out of reach.
+    """
+    return [_deleted(path) for path in paths]
+
+
+def _deleted(path: str) -> bool:
+    try:
+        Path(path).stat()
+        return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    for ancestor in Path(path).parents:
+        try:
+            with os.scandir(ancestor) as entries:
+                return next(entries, None) is not None
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return False
+    return False

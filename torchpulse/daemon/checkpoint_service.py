@@ -28,7 +28,7 @@ from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
-from torchpulse.daemon.checkpoint_scan import Scan, metadata_key, scan
+from torchpulse.daemon.checkpoint_scan import Scan, deleted, metadata_key, scan
 from torchpulse.daemon.checkpoint_state import Record, StateStore
 from torchpulse.daemon.checkpoint_stats import CheckpointStats
 from torchpulse.daemon.watcher import Watcher, WatchEvent
@@ -37,6 +37,8 @@ from torchpulse.protocol import CheckpointSaved
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
 OTHER: Final = "other"
 MAX_SWEEP_INTERVAL: Final = 60.0
+# Forgetting records of deleted checkpoints stats every recorded path: hourly is plenty.
+PRUNE_INTERVAL: Final = 3600.0
 
 
 class CheckpointService:
@@ -61,6 +63,7 @@ class CheckpointService:
         self._slot_free = asyncio.Event()
         self._sweep_now = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+        self._pruned_at = -PRUNE_INTERVAL  # monotonic; the first sweep prunes
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -333,6 +336,19 @@ class CheckpointService:
             for save in stale:
                 if self._store.key_of(save.path) != _incomplete_key_for(save.newest_write):
                     self._enqueue(save.path)
+        if time.monotonic() - self._pruned_at >= PRUNE_INTERVAL:
+            self._pruned_at = time.monotonic()
+            await self.prune()
+
+    async def prune(self) -> None:
+        """Forget the records of checkpoint directories deleted since (a job's retention policy)."""
+        assert self._store is not None
+        rows = self._store.prunable()
+        gone = await asyncio.to_thread(deleted, [path for path, _ in rows])
+        forgotten = [row for row, is_gone in zip(rows, gone, strict=True) if is_gone]
+        if forgotten:
+            self._store.forget(forgotten)
+            log.info("forgot the records of deleted checkpoints", count=len(forgotten))
 
 
 def _incomplete_key_for(newest_write: float) -> str:

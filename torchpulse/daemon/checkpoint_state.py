@@ -5,6 +5,8 @@ metadata (inode, mtime, size): a restart skips what was validated before and
 re-validates a checkpoint overwritten in place. Announced roots are kept too,
 so checkpoints committed while the daemon was down are found at start.
 Writes are tiny and rare (one row per validation), so they run on the loop.
+Rows of deleted checkpoint directories are forgotten (`prunable`, `forget`),
+so the file stays as large as what is on disk, whatever the job's retention.
 """
 
 from __future__ import annotations
@@ -126,6 +128,33 @@ class StateStore:
             "SELECT root, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root"
         ).fetchall()
         return {str(root): float(ts) for root, ts in rows}
+
+    def prunable(self) -> list[tuple[str, float]]:
+        """(path, validated_at) of every row but each root's newest and newest valid one.
+
+        Those two stay even when their directories are gone: they restore the
+        last-status and last-valid series at start.
+        """
+        rows = self._db.execute(
+            "SELECT path, validated_at FROM checkpoints WHERE path NOT IN ("
+            " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints GROUP BY root)"
+            " UNION"
+            " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root))"
+        ).fetchall()
+        return [(str(path), float(at)) for path, at in rows]
+
+    def forget(self, rows: list[tuple[str, float]]) -> None:
+        """Delete rows by (path, validated_at): a row re-validated since it was listed stays."""
+        try:
+            self._db.execute("BEGIN")  # one transaction: autocommit would sync once per row
+            try:
+                self._db.executemany("DELETE FROM checkpoints WHERE path = ? AND validated_at = ?", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            log.warning("cannot forget checkpoint records", rows=len(rows), error=str(exc))
 
     def announced_roots(self) -> dict[str, float]:
         """Announced root -> when it was last announced (wall clock), most recent first."""
