@@ -106,7 +106,8 @@ class DaemonProcess:
 
 
 def start_daemon(tmp: Path, socket_path: Path | None = None, port: int | None = None,
-                 extra_args: list[str] | None = None, env: Mapping[str, str] | None = None) -> DaemonProcess:
+                 extra_args: list[str] | None = None, env: Mapping[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> DaemonProcess:
     socket_path = socket_path or tmp / "agent.sock"
     port = port or free_port()
     state_dir = tmp / "state"
@@ -115,7 +116,7 @@ def start_daemon(tmp: Path, socket_path: Path | None = None, port: int | None = 
             "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir), *(extra_args or [])]
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=dict(env) if env is not None else None)
+                                env=dict(env) if env is not None else None, preexec_fn=preexec)
     daemon = DaemonProcess(socket_path, port, state_dir, log_path, proc, list(extra_args or []))
 
     def ready() -> bool:

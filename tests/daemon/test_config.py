@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO
-from torchpulse.daemon.config import Config, ConfigError, from_mapping, load, with_overrides
+from torchpulse.daemon.config import Config, ConfigError, Overrides, from_mapping, load, with_overrides
 from torchpulse.paths import DEFAULT_LISTEN, default_socket_path
 
 
@@ -35,6 +35,10 @@ def test_default_socket_is_under_run_for_root_and_runtime_dir_otherwise() -> Non
         ({"runs": {"series_limit_per_run": 0}}, "runs.series_limit_per_run: must be >= 1"),
         ({"runs": {"grace_period_seconds": "5m"}}, "runs.grace_period_seconds: expected a number"),
         ({"damon": {}}, "damon: unknown section"),
+        # TOML has nan and inf; nan passes every `<= 0` check unless refused by name.
+        ({"daemon": {"textfile_interval_seconds": float("nan")}},
+         "daemon.textfile_interval_seconds: expected a finite number, got nan"),
+        ({"runs": {"grace_period_seconds": float("inf")}}, "runs.grace_period_seconds: expected a finite number"),
     ],
 )
 def test_bad_values_name_the_key(data: dict[str, dict[str, object]], message: str) -> None:
@@ -47,7 +51,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     """--socket/--listen/--state-dir win over the file's values."""
     path = tmp_path / "tp.toml"
     path.write_text('[daemon]\nlisten = "127.0.0.1:1"\nsocket = "/a.sock"\n')
-    config = with_overrides(load(path), listen="127.0.0.1:2", state_dir=tmp_path)
+    config = with_overrides(load(path), Overrides(listen="127.0.0.1:2", state_dir=tmp_path))
     assert ("127.0.0.1:2", Path("/a.sock"), tmp_path) == (
         config.daemon.listen, config.daemon.socket, config.daemon.state_dir)
     assert isinstance(config, Config)

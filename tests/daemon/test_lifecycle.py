@@ -69,3 +69,27 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(tmp_path: Path) -> No
             start_daemon(second_dir, socket_path=daemon.socket_path)
     finally:
         daemon.stop()
+
+
+def test_a_reload_applies_the_log_level_and_keeps_command_line_flags(tmp_path: Path) -> None:
+    """SIGHUP re-applies log_level; --socket/--listen/--state-dir still win and are not reported as changed."""
+    from tests.support import send_raw
+    from torchpulse.protocol import StatusRequest, encode
+
+    config = tmp_path / "tp.toml"
+    config.write_text('[daemon]\nlog_level = "info"\n')
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    try:
+        config.write_text('[daemon]\nlog_level = "warning"\n')
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e.get("event") == "config reloaded" for e in daemon.log_lines()))
+        assert not [e for e in daemon.log_lines() if e.get("event") == "these keys need a restart to take effect"]
+        before = len(daemon.log_lines())
+        send_raw(daemon.socket_path, encode(StatusRequest()))
+        send_raw(daemon.socket_path, b"garbage-garbage-garbage")  # a warning: still logged
+        wait_for(lambda: any(e.get("event") == "rejected a frame and closed the connection"
+                             for e in daemon.log_lines()[before:]))
+        assert all(e.get("level") != "info" for e in daemon.log_lines()[before:])
+        assert daemon.scrape()
+    finally:
+        assert 0 == daemon.stop(signal.SIGTERM)

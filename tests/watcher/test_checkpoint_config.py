@@ -36,6 +36,7 @@ def test_a_root_may_override_the_observer() -> None:
         ({"poll_interval_seconds": "5s"}, "checkpoints.poll_interval_seconds: expected a number"),
         ({"roots": ["/a", "/a/"]}, "checkpoints.roots: a root is listed twice"),
         ({"rootz": []}, "checkpoints.rootz: unknown key"),
+        ({"debounce_seconds": float("nan")}, "checkpoints.debounce_seconds: expected a finite number, got nan"),
     ],
 )
 def test_bad_values_name_the_key(table: dict[str, object], message: str) -> None:

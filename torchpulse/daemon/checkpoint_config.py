@@ -6,6 +6,7 @@ a frozen `CheckpointsConfig` and raises `ConfigError` naming the key.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ def parse(table: Mapping[str, Any]) -> CheckpointsConfig:
                                                                                    not isinstance(value, int)):
                 raise ConfigError(f"checkpoints.{key}: expected {'an integer' if kind is int else 'a number'}, "
                                   f"got {type(value).__name__}")
+            if not math.isfinite(value):
+                raise ConfigError(f"checkpoints.{key}: expected a finite number, got {value}")
             values[key] = kind(value)
         elif key in _STRINGS:
             if not isinstance(value, str):

@@ -7,6 +7,7 @@ unknown key or a wrong type is a `ConfigError` that names the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -43,8 +44,9 @@ class DaemonSection:
         parse_listen(self.listen)
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"daemon.log_level: expected debug, info, warning or error, got {self.log_level!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError("daemon.log_level: expected debug, info, warning, error or critical, "
+                              f"got {self.log_level!r}")
         if self.textfile_interval_seconds <= 0:
             raise ConfigError("daemon.textfile_interval_seconds: must be > 0")
 
@@ -85,6 +87,9 @@ def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name}: expected a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            # TOML has nan and inf; every comparison with nan is false, so no check would catch it.
+            raise ConfigError(f"{name}: expected a finite number, got {value}")
         return float(value)
     if hint in (int, str, bool):
         if type(value) is not hint:
@@ -147,14 +152,16 @@ def load(path: Path | None) -> Config:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def with_overrides(config: Config, *, socket: Path | None = None, listen: str | None = None,
-                   state_dir: Path | None = None) -> Config:
-    """Apply command-line flags, which win over the file."""
-    changes: dict[str, Any] = {}
-    if socket is not None:
-        changes["socket"] = socket
-    if listen is not None:
-        changes["listen"] = listen
-    if state_dir is not None:
-        changes["state_dir"] = state_dir
+@dataclass(frozen=True)
+class Overrides:
+    """Command-line flags: they win over the file, at start and at every reload."""
+
+    socket: Path | None = None
+    listen: str | None = None
+    state_dir: Path | None = None
+
+
+def with_overrides(config: Config, overrides: Overrides) -> Config:
+    changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)
+               if getattr(overrides, f.name) is not None}
     return dataclasses.replace(config, daemon=dataclasses.replace(config.daemon, **changes))

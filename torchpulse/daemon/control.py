@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 import structlog
 
@@ -64,11 +65,16 @@ def authorize(peer: Peer | None, control_group: str) -> None:
     raise NotAuthorized(f"uid {peer.uid} may not send commands (allowed: {allowed})")
 
 
+MAX_STEP: Final = 2**53
+MAX_COMMAND_TIMEOUT: Final = 3600.0
+
+
 def current_step(state: RankState) -> int:
     """Completed steps of the rank's first optimizer, as last reported."""
     for (name, labels), value in state.values.items():
         if name == "optimizer_steps_total" and labels and labels[0].endswith("#0"):
-            return int(value)
+            # A buggy agent's inf, NaN or 1e300 must not break planning (or msgpack's int range).
+            return int(value) if math.isfinite(value) and 0 <= value <= MAX_STEP else 0
     return 0
 
 
@@ -85,12 +91,17 @@ class ControlHub:
         self.registry = registry
         self.control_group = control_group
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
+        # Command id -> (the rank it went to, that rank's connection, the answer to come).
+        self._waiting: dict[int, tuple[RankState, int, asyncio.Future[CommandResult]]] = {}
 
-    def resolve(self, result: CommandResult) -> None:
-        future = self._waiting.pop(result.id, None)
-        if future is not None and not future.done():
-            future.set_result(result)
+    def resolve(self, result: CommandResult, state: RankState, connection: int) -> None:
+        """An answer counts only from the connection the command was sent on (ids are guessable)."""
+        waiting = self._waiting.get(result.id)
+        if waiting is None or waiting[0] is not state or waiting[1] != connection:
+            return
+        del self._waiting[result.id]
+        if not waiting[2].done():
+            waiting[2].set_result(result)
 
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
@@ -104,8 +115,10 @@ class ControlHub:
         args = dict(request.args)
         if request.name == "trace" and "start_step" not in args:
             args["start_step"] = self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
+        # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
+        timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
         results = await asyncio.gather(*(
-            self._one(run.ranks.get(rank), rank, request.name, args, request.timeout) for rank in wanted))
+            self._one(run.ranks.get(rank), rank, request.name, args, timeout) for rank in wanted))
         for result in results:
             log.info("command result", command=request.name, run=request.run, rank=result.rank,
                      status=result.status, message=result.message, **who)
@@ -126,7 +139,7 @@ class ControlHub:
             return RankResult(rank, "not_connected", "rank is not connected", {})
         command_id = next(self._ids)
         future: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-        self._waiting[command_id] = future
+        self._waiting[command_id] = (state, state.connection, future)
         try:
             state.channel(encode(Command(command_id, name, args)))
             result = await asyncio.wait_for(future, timeout)

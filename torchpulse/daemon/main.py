@@ -11,19 +11,16 @@ import structlog
 from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
 from torchpulse.daemon.config import ConfigError
+from torchpulse.daemon.server import raise_descriptor_limit
 from torchpulse.daemon.service import Daemon
 
 
 def run_daemon(config_path: str | None, socket: str | None, listen: str | None, state_dir: str | None) -> int:
     path = Path(config_path) if config_path else None
+    overrides = config_module.Overrides(socket=Path(socket) if socket else None, listen=listen,
+                                        state_dir=Path(state_dir) if state_dir else None)
     try:
-        config = config_module.load(path)
-        config = config_module.with_overrides(
-            config,
-            socket=Path(socket) if socket else None,
-            listen=listen,
-            state_dir=Path(state_dir) if state_dir else None,
-        )
+        config = config_module.with_overrides(config_module.load(path), overrides)
         if listen is not None:
             config_module.parse_listen(listen)
         checkpoint_config.from_config(config)
@@ -43,7 +40,8 @@ def run_daemon(config_path: str | None, socket: str | None, listen: str | None, 
         inherited = passed[0][1]
     if inherited is not None:
         log.info("using the agent socket passed by systemd", path=str(inherited.getsockname()))
-    daemon = Daemon(config, path, inherited_socket=inherited)
+    raise_descriptor_limit()
+    daemon = Daemon(config, path, inherited_socket=inherited, overrides=overrides)
     try:
         asyncio.run(daemon.run())
     except OSError as exc:

@@ -7,6 +7,7 @@ the daemon's event loop thread; collectors read it on the same thread.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +46,10 @@ class RankState:
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     # Sends a frame to this rank's agent while it is connected (set by the server).
     channel: Callable[[bytes], None] | None = None
+    # The server's id of the connection that owns this rank now, and how to close
+    # it: a newer hello for the rank (a reconnect, a restarted process) takes over.
+    connection: int = 0
+    close: Callable[[], None] | None = None
     # Steps per second of the first optimizer, smoothed; for synchronised traces.
     step_rate: float = 0.0
     _rate_mark: tuple[float, float] | None = None
@@ -75,6 +80,8 @@ class RunState:
 
 
 def _update_step_rate(state: RankState, steps: float) -> None:
+    if not math.isfinite(steps):
+        return  # a buggy agent's inf/NaN must not poison the rate that traces are planned with
     now = time.monotonic()
     mark = state._rate_mark
     state._rate_mark = (now, steps)
@@ -120,6 +127,10 @@ class Registry:
             raise FrameError("too_many_ranks", f"run {hello.run!r} already has {self.max_ranks_per_run} "
                              "connected ranks here (runs.max_ranks_per_run); retrying")
         run.ended_at = None
+        if previous is not None and previous.connected and previous.close is not None:
+            # The older connection is dead or about to be: its frames must not
+            # overwrite newer totals, nor its close mark the rank disconnected.
+            previous.close()
         if previous is not None and previous.hello.pid == hello.pid and previous.hello.host == hello.host:
             # The same process reconnecting: keep what it told us so far.
             previous.hello, previous.peer, previous.connected = hello, peer, True
@@ -152,11 +163,16 @@ class Registry:
         run.series -= state.series
         return True
 
-    def disconnect(self, run: RunState, state: RankState) -> None:
+    @staticmethod
+    def owns(run: RunState, state: RankState, connection: int) -> bool:
+        """Whether `connection` still speaks for the rank (no newer hello took it over)."""
+        return run.ranks.get(state.hello.rank) is state and state.connection == connection
+
+    def disconnect(self, run: RunState, state: RankState, connection: int) -> None:
         self.connections -= 1
-        if run.ranks.get(state.hello.rank) is state:
+        if self.owns(run, state, connection):
             state.connected = False
-            state.channel = None
+            state.channel = state.close = None
         if not any(rank.connected for rank in run.ranks.values()):
             run.ended_at = time.monotonic()
 

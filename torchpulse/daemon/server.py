@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import resource
 import socket
 import stat
 import time
@@ -50,10 +52,28 @@ FIRST_FRAME_TIMEOUT: Final = 10.0
 # Once a header arrived, its body must follow within this long: a peer cannot park
 # a half-sent frame (up to MAX_FRAME_BYTES of buffer) on a connection for ever.
 FRAME_BODY_TIMEOUT: Final = 30.0
+# An agent sends at least a heartbeat every 5 s; one silent this long is gone
+# (a frozen host, a half-open socket) and its connection slot is freed.
+AGENT_IDLE_TIMEOUT: Final = 120.0
+# Connections held at once, whatever their state: past it a new one is refused,
+# before the daemon runs out of descriptors (then it could not even answer
+# `torchpulse status` or a scrape). Lowered to fit RLIMIT_NOFILE.
+MAX_CONNECTIONS: Final = 1024
+FD_RESERVE: Final = 128  # descriptors kept for scrapes, the state store, watchers, workers
+# Of those, agents may hold all but these, so `torchpulse status` and `ctl` get in
+# while a flood of hellos holds the rest.
+CLIENT_RESERVE: Final = 32
+# Bodies of large frames being read, all connections together. Such a frame waits
+# for room (one may always proceed alone, so no size starves). Small frames skip
+# the wait: StreamReader holds at most ~128 KiB per connection besides a pending
+# body, so an agent's usual batches never queue behind a peer parking big ones.
+MAX_BUFFERED_BYTES: Final = 64 << 20
+SMALL_FRAME_BYTES: Final = 64 << 10
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
 REJECT_LOG_INTERVAL: Final = 10.0
 LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
-RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp"}
+# Names an agent's event field cannot have: who sent it, and the logger's own parameters.
+RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self"}
 
 
 class AgentServer:
@@ -66,6 +86,10 @@ class AgentServer:
         self._server: asyncio.AbstractServer | None = None
         self._last_reject_log: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.max_connections = connection_limit()
+        self._connection_ids = itertools.count(1)
+        self._buffered = 0
+        self._buffer_freed = asyncio.Event()
 
     async def start(self, path: Path | None, sock: socket.socket | None = None) -> None:
         """Listen on `path`, or on an already bound socket (socket activation)."""
@@ -90,18 +114,26 @@ class AgentServer:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        connection = next(self._connection_ids)
         peer = peer_of(writer.get_extra_info("socket"))
         registered: tuple[RunState, RankState] | None = None
         try:
+            if len(self._tasks) > self.max_connections:
+                raise FrameError("too_many_connections", f"the daemon already holds {self.max_connections} "
+                                 "connections; retrying")
             while True:
-                timeout = FIRST_FRAME_TIMEOUT if registered is None else None
+                timeout = FIRST_FRAME_TIMEOUT if registered is None else AGENT_IDLE_TIMEOUT
                 frame = await self._read_frame(reader, timeout)
                 if frame is None:
                     return
                 if registered is None:
                     if isinstance(frame, Hello):
+                        if self.registry.connections >= self.max_connections - CLIENT_RESERVE:
+                            raise FrameError("too_many_connections", "the daemon already holds "
+                                             f"{self.registry.connections} agent connections; retrying")
                         registered = self.registry.connect(frame, peer)
-                        registered[1].channel = writer.write
+                        state = registered[1]
+                        state.channel, state.close, state.connection = writer.write, writer.close, connection
                         writer.write(encode(Welcome(torchpulse.__version__)))
                         log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
                                  host=frame.host, torch=frame.torch_version)
@@ -114,13 +146,15 @@ class AgentServer:
                         return
                     else:
                         raise FrameError("no_hello", "the first frame of a connection must be hello")
+                elif not self.registry.owns(*registered, connection):
+                    return  # a newer hello for this rank took over; what is left here is stale
                 elif isinstance(frame, Batch):
                     run, rank = registered
                     events = self.registry.apply(run, rank, frame)
                     self._log_events(run.name, rank.hello.rank, events)
                     self._route_checkpoints(run.name, rank.hello.rank, events)
                 elif isinstance(frame, CommandResult):
-                    self.control.resolve(frame)
+                    self.control.resolve(frame, registered[1], connection)
                 elif isinstance(frame, Goodbye):
                     continue
                 else:
@@ -129,13 +163,17 @@ class AgentServer:
         except FrameError as exc:
             self._reject(exc, writer, peer)
         except TimeoutError:
-            self._reject(FrameError("timeout", "no complete frame within the timeout"), writer, peer)
+            reason = "timeout" if registered is None else "idle"
+            self._reject(FrameError(reason, "no complete frame within the timeout"), writer, peer)
         except (ConnectionError, asyncio.CancelledError):
             pass
+        except Exception as exc:  # a daemon bug must cost one connection, never the daemon
+            self._reject(FrameError("internal_error", f"the daemon failed on this frame: {exc!r}"), writer, peer,
+                         exc_info=True)
         finally:
             if registered is not None:
                 run, rank = registered
-                self.registry.disconnect(run, rank)
+                self.registry.disconnect(run, rank, connection)
                 log.info("agent disconnected", run=run.name, rank=rank.hello.rank)
             writer.close()
             with contextlib.suppress(Exception):
@@ -153,25 +191,44 @@ class AgentServer:
         writer.write(encode(reply))
         await writer.drain()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, timeout: float | None) -> object | None:
+    async def _read_frame(self, reader: asyncio.StreamReader, timeout: float) -> object | None:
         try:
             async with asyncio.timeout(timeout):
                 header = await reader.readexactly(HEADER_SIZE)
+            length = parse_header(header)
             async with asyncio.timeout(FRAME_BODY_TIMEOUT):
-                body = await reader.readexactly(parse_header(header))
+                await self._reserve(length)
+                try:
+                    body = await reader.readexactly(length)
+                finally:
+                    self._release(length)
         except asyncio.IncompleteReadError as exc:
             if exc.partial:
                 raise FrameError("truncated", "connection closed in the middle of a frame") from None
             return None
         return decode_agent_frame(body)
 
-    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: object) -> None:
+    async def _reserve(self, length: int) -> None:
+        if length <= SMALL_FRAME_BYTES:
+            return
+        while self._buffered and self._buffered + length > MAX_BUFFERED_BYTES:
+            self._buffer_freed.clear()
+            await self._buffer_freed.wait()
+        self._buffered += length
+
+    def _release(self, length: int) -> None:
+        if length <= SMALL_FRAME_BYTES:
+            return
+        self._buffered -= length
+        self._buffer_freed.set()
+
+    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: object, exc_info: bool = False) -> None:
         self.registry.reject_frame(exc.reason)
         now = time.monotonic()
         if now - self._last_reject_log.get(exc.reason, -REJECT_LOG_INTERVAL) >= REJECT_LOG_INTERVAL:
             self._last_reject_log[exc.reason] = now
             log.warning("rejected a frame and closed the connection", reason=exc.reason,
-                        detail=str(exc), peer=repr(peer))
+                        detail=str(exc), peer=repr(peer), exc_info=exc_info)
         with contextlib.suppress(Exception):
             writer.write(encode(ErrorReply(exc.reason, str(exc))))
 
@@ -190,6 +247,23 @@ class AgentServer:
             # An agent's field must not override who sent it.
             fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
             getattr(log, level)(event.event, run=run, rank=rank, agent_ts=event.ts, **fields)
+
+
+def connection_limit() -> int:
+    """MAX_CONNECTIONS, or fewer when the descriptor limit could not hold them."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(CLIENT_RESERVE + 1, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+
+
+def raise_descriptor_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard one (1024 by default by hand; the unit sets 16384)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_CONNECTIONS + FD_RESERVE if hard == resource.RLIM_INFINITY else min(hard, MAX_CONNECTIONS + FD_RESERVE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def _prepare_socket_path(path: Path) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 import structlog
 
 import torchpulse
-from torchpulse.daemon import checkpoint_config, systemd
+from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
 from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.config import Config, ConfigError, parse_listen
+from torchpulse.daemon.config import Config, ConfigError, Overrides, parse_listen
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
@@ -42,6 +42,7 @@ class Daemon:
     config: Config
     config_path: Path | None = None
     inherited_socket: socket.socket | None = None
+    overrides: Overrides = field(default_factory=Overrides)
     registry: Registry = field(init=False)
     on_ready: list[Callable[[Daemon], None]] = field(default_factory=list)
     # (checkpoint roots, roots whose latest checkpoint is not valid), for STATUS=.
@@ -160,13 +161,15 @@ class Daemon:
 
     def _reload(self) -> None:
         try:
-            new = config_module.load(self.config_path)
+            new = config_module.with_overrides(config_module.load(self.config_path), self.overrides)
             checkpoints = checkpoint_config.from_config(new)
         except ConfigError as exc:
             log.error("config reload failed; keeping the running config", error=str(exc))
             return
-        fixed = ("socket", "listen")
-        changed = [k for k in fixed if getattr(new.daemon, k) != getattr(self.config.daemon, k)]
+        running = self.config.daemon
+        # Bound or opened at start: these keep their running values until a restart.
+        fixed = ("socket", "listen", "state_dir")
+        changed = [k for k in fixed if getattr(new.daemon, k) != getattr(running, k)]
         if changed:
             log.warning("these keys need a restart to take effect", keys=changed)
         self.registry.series_limit_per_run = new.runs.series_limit_per_run
@@ -174,9 +177,12 @@ class Daemon:
         self.registry.max_runs = new.runs.max_runs
         self.registry.max_ranks_per_run = new.runs.max_ranks_per_run
         self.checkpoints.apply_config(checkpoints)
-        self.config = config_module.with_overrides(new, socket=self.config.daemon.socket,
-                                                   listen=self.config.daemon.listen)
+        self.config = config_module.with_overrides(
+            new, Overrides(socket=running.socket, listen=running.listen, state_dir=running.state_dir))
         log.info("config reloaded", path=str(self.config_path))
+        # Last, so that the line above still reaches a log that was at info.
+        if (new.daemon.log_format, new.daemon.log_level) != (running.log_format, running.log_level):
+            logs.configure(new.daemon.log_format, new.daemon.log_level)
 
     def _prepare_state_dir(self) -> None:
         state_dir = self.config.daemon.state_dir

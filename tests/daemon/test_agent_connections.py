@@ -1,0 +1,237 @@
+"""Who speaks for a rank, and how many may: takeovers, command answers, connection and buffer caps."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import resource
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import DaemonProcess, rejected_frames, select, start_daemon, wait_for
+from torchpulse.daemon import server as server_module
+from torchpulse.daemon.client import request_status, send_ctl
+from torchpulse.daemon.control import ControlHub
+from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.server import AgentServer
+from torchpulse.protocol import (
+    HEADER,
+    HEADER_SIZE,
+    Batch,
+    Command,
+    CommandResult,
+    CtlReply,
+    CtlRequest,
+    Hello,
+    LogEvent,
+    Sample,
+    StatusReply,
+    decode_daemon_frame,
+    encode,
+)
+
+
+def _hello(run: str, rank: int, pid: int = 4242) -> Hello:
+    return Hello(run, rank, 0, 1, pid, "h", "2.13.0", "0.1.0", "test", 0.0)
+
+
+def _connect(path: Path, hello: Hello) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    sock.sendall(encode(hello))
+    return sock
+
+
+def _read_frame(sock: socket.socket) -> object:
+    header = _recv_exactly(sock, HEADER_SIZE)
+    _magic, _version, _reserved, length = HEADER.unpack(header)
+    return decode_daemon_frame(_recv_exactly(sock, length))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the daemon closed the connection"
+        data += chunk
+    return data
+
+
+def _connected(daemon: DaemonProcess, run: str) -> list[int]:
+    return sorted(r.rank for s in request_status(daemon.socket_path).runs if s.run == run
+                  for r in s.ranks if r.connected)
+
+
+class Ctl(threading.Thread):
+    """`torchpulse ctl` in the background, while the test plays the agents."""
+
+    def __init__(self, daemon: DaemonProcess, request: CtlRequest) -> None:
+        super().__init__(daemon=True)
+        self.daemon_process, self.request = daemon, request
+        self.reply: CtlReply | None = None
+
+    def run(self) -> None:
+        self.reply = send_ctl(self.daemon_process.socket_path, self.request, timeout=20)
+
+
+def test_a_log_field_named_self_is_logged_and_the_batch_kept(daemon: DaemonProcess) -> None:
+    """Field names are the agent's: one that clashes with the logger's parameters costs nothing."""
+    events = [LogEvent(0.0, "info", f"odd.{n}", fields) for n, fields in
+              enumerate([{"a": 1}, {"self": "x", "event": "y"}, {"b": 2}])]
+    with _connect(daemon.socket_path, _hello("fields", 0, os.getpid())) as sock:
+        _read_frame(sock)
+        sock.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 3.0)], [], events)))
+        wait_for(lambda: {"odd.0", "odd.1", "odd.2"} <= {str(e.get("event")) for e in daemon.log_lines()})
+        assert 3.0 == select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="fields")[
+            (("optimizer", "SGD#0"), ("rank", "0"), ("run", "fields"))]
+    logged = next(e for e in daemon.log_lines() if e.get("event") == "odd.1")
+    assert ("x", "y") == (logged["field_self"], logged["field_event"])
+    assert {} == rejected_frames(daemon)
+
+
+def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemon: DaemonProcess) -> None:
+    """A second hello of the same process (or a new process) for a rank owns it; the old socket is closed
+    by the daemon, its late frames change nothing, and its close does not mark the rank gone."""
+    old = _connect(daemon.socket_path, _hello("takeover", 0))
+    _read_frame(old)
+    old.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
+    wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="takeover")))
+    new = _connect(daemon.socket_path, _hello("takeover", 0))
+    _read_frame(new)
+    new.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 9.0)], [], [])))
+    assert b"" == old.recv(1024)  # closed by the daemon at the takeover
+    with pytest.raises(OSError):  # the first late frame may still fit in the socket buffer
+        old.sendall(encode(Batch(2, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 1.0)], [], [])))
+        old.sendall(b"x" * 65536)
+    old.close()
+
+    def steps() -> float:
+        return select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="takeover")[
+            (("optimizer", "SGD#0"), ("rank", "0"), ("run", "takeover"))]
+
+    wait_for(lambda: 9.0 == steps())
+    assert [0] == _connected(daemon, "takeover")
+    assert 1.0 == select(daemon.scrape(), "torchpulse_agent_up", run="takeover")[(("rank", "0"), ("run", "takeover"))]
+    # A restarted process (new pid) takes over the same way, and its run counts only its own series.
+    newer = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
+    _read_frame(newer)
+    assert b"" == new.recv(1024)
+    new.close()
+    newer.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 2.0)], [], [])))
+    wait_for(lambda: 2.0 == steps())
+    assert [0] == _connected(daemon, "takeover")
+    assert 1.0 == select(daemon.scrape(), "torchpulse_run_series", run="takeover")[(("run", "takeover"),)]
+    newer.close()
+
+
+def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: DaemonProcess) -> None:
+    """Another run's agent guessing the command id cannot answer for the victim; an inf step counter
+    from the victim does not break planning a trace."""
+    victim = _connect(daemon.socket_path, _hello("victim", 0))
+    other = _connect(daemon.socket_path, _hello("other", 0))
+    _read_frame(victim)
+    _read_frame(other)
+    victim.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), math.inf)], [], [])))
+    wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="victim")))
+    for name in ("status", "trace"):
+        ctl = Ctl(daemon, CtlRequest("victim", None, name, {}, 10.0))
+        ctl.start()
+        command = _read_frame(victim)
+        assert isinstance(command, Command)
+        for guess in range(command.id - 2, command.id + 3):
+            other.sendall(encode(CommandResult(guess, True, "spoofed", {})))
+        victim.sendall(encode(CommandResult(command.id, True, "real", {})))
+        ctl.join(20)
+        assert ctl.reply is not None
+        assert [("ok", "real")] == [(r.status, r.message) for r in ctl.reply.results], name
+    victim.close()
+    other.close()
+
+
+@pytest.fixture
+def low_fd_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    daemon = start_daemon(tmp_path, preexec=limit)
+    yield daemon
+    daemon.stop()
+
+
+def test_a_flood_of_agents_stops_below_the_descriptor_limit_and_status_still_answers(
+        low_fd_daemon: DaemonProcess) -> None:
+    """300 descriptors: 172 connections at most, 140 of them agents; further hellos are refused with a
+    reason, and `torchpulse status` and scrapes keep working."""
+    limit = 300 - server_module.FD_RESERVE - server_module.CLIENT_RESERVE
+    socks = [_connect(low_fd_daemon.socket_path, _hello("flood", rank, pid=10_000 + rank)) for rank in range(limit + 5)]
+    try:
+        replies = [type(_read_frame(sock)).__name__ for sock in socks]
+        assert {"Welcome": limit, "ErrorReply": 5} == {name: replies.count(name) for name in set(replies)}
+        assert {"too_many_connections": 5} == rejected_frames(low_fd_daemon)
+        status = request_status(low_fd_daemon.socket_path)
+        assert isinstance(status, StatusReply)
+        assert limit == len(_connected(low_fd_daemon, "flood"))
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_for(lambda: 0.0 == select(low_fd_daemon.scrape(), "torchpulse_daemon_connections")[()])
+    assert low_fd_daemon.proc.poll() is None
+
+
+def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process server, real sockets: an agent silent past the idle timeout is disconnected; three
+    peers parking half-sent 600 KiB frames never hold more than the budget, and an agent's small
+    batches pass meanwhile."""
+    monkeypatch.setattr(server_module, "AGENT_IDLE_TIMEOUT", 0.5)
+    monkeypatch.setattr(server_module, "MAX_BUFFERED_BYTES", 1 << 20)
+    path = tmp_path / "agent.sock"
+
+    async def main() -> None:
+        registry = Registry()
+        agents = AgentServer(registry, lambda: StatusReply("x", 0.0, 0, 0, {}, []),
+                             ControlHub(registry, lambda: ""))
+        await agents.start(path)
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, agents._buffered)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            quiet_reader, quiet = await asyncio.open_unix_connection(str(path))
+            quiet.write(encode(_hello("quiet", 0)))
+            parked = []
+            for rank in range(3):
+                reader, writer = await asyncio.open_unix_connection(str(path))
+                writer.write(encode(_hello("parked", rank)))
+                writer.write(HEADER.pack(b"TP", 1, 0, 600 << 10) + b"x" * (300 << 10))
+                parked.append((reader, writer))
+            _busy_reader, busy = await asyncio.open_unix_connection(str(path))
+            busy.write(encode(_hello("busy", 0)))
+            for seq in range(5):
+                busy.write(encode(Batch(seq, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), float(seq))], [], [])))
+                await asyncio.sleep(0.05)
+            state = registry.runs["busy"].ranks[0]
+            assert 4.0 == state.values[("optimizer_steps_total", ("SGD#0",))]
+            await asyncio.sleep(0.6)
+            assert b"idle" in await asyncio.wait_for(quiet_reader.read(), 5)
+            assert not registry.runs["quiet"].ranks[0].connected
+            for _reader, writer in parked:
+                writer.close()
+            busy.close()
+        finally:
+            watcher.cancel()
+            await agents.close()
+        assert 600 << 10 == most  # one parked frame at a time: two would be 1.2 MiB
+
+    asyncio.run(main())
