@@ -51,3 +51,23 @@ def test_agent_series_render_escaped_labels_histograms_and_infinities() -> None:
     buckets = select(samples, "torchpulse_optimizer_step_duration_seconds_bucket", le="+Inf")
     assert ([19.0], [19.0]) == (list(buckets.values()), list(
         select(samples, "torchpulse_optimizer_step_duration_seconds_count").values()))
+
+
+def test_negative_bucket_counts_are_refused_before_they_count_as_a_series() -> None:
+    """Cumulative buckets must not decrease: a histogram with a negative count is refused and counted."""
+    registry = Registry()
+    run, rank = registry.connect(HELLO, None)
+    registry.apply(run, rank, Batch(1, 0.0, [], [
+        HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (-5,) + (1,) * 18, 2.5)], []))
+    assert (0, 0, 1) == (run.series, rank.series, registry.series_rejected["bad_buckets"])
+
+
+def test_status_text_escapes_control_characters_in_agent_names() -> None:
+    from torchpulse.daemon.client import format_status
+    from torchpulse.protocol import RankStatus, RunStatus, StatusReply
+
+    reply = StatusReply("0.1.0", 1.0, 1, 0, {}, [RunStatus("evil\nrun \x1b[2J", 1, False, [
+        RankStatus(0, 1, "host\rX", True, 0, 0, 0.0)])])
+    text = format_status(reply)
+    assert "run evil\\nrun \\x1b[2J (running" in text and "host\\rX" in text
+    assert "\x1b" not in text and "\r" not in text

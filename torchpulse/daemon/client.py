@@ -66,13 +66,20 @@ def format_status(reply: StatusReply) -> str:
         lines.append("no runs connected")
     for run in reply.runs:
         state = "ended" if run.ended else "running"
-        lines.append(f"run {run.run} ({state}, world size {run.world_size})")
+        lines.append(f"run {_printable(run.run)} ({state}, world size {run.world_size})")
         lines.append(f"  {'rank':>4}  {'state':<12} {'pid':>8}  {'host':<16} {'received':>10} {'dropped':>8}")
         for rank in run.ranks:
             status = "connected" if rank.connected else f"gone {_duration(rank.last_seen_seconds_ago)}"
-            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {rank.host[:16]:<16} "
+            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {_printable(rank.host)[:16]:<16} "
                          f"{rank.events_received:>10} {rank.events_dropped:>8}")
     return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """Agents name runs and hosts: a newline or an escape sequence must not reach the terminal raw."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _duration(seconds: float) -> str:
@@ -95,5 +102,6 @@ def format_ctl(reply: CtlReply) -> str:
     lines = []
     for result in reply.results:
         data = " ".join(f"{k}={v}" for k, v in sorted(result.data.items()))
-        lines.append(f"rank {result.rank:>3}  {result.status:<13} {result.message}" + (f"  {data}" if data else ""))
+        line = f"rank {result.rank:>3}  {result.status:<13} {result.message}" + (f"  {data}" if data else "")
+        lines.append(_printable(line))
     return "\n".join(lines)

@@ -195,6 +195,10 @@ class Registry:
                 _update_step_rate(state, sample.value)
         histograms = state.histograms
         for hist in batch.histograms:
+            if any(count < 0 for count in hist.bucket_counts):
+                # Rendered cumulatively, a negative count makes `le` buckets decrease.
+                self.series_rejected["bad_buckets"] += 1
+                continue
             key = (hist.family, hist.labels)
             if key not in histograms:
                 if not self._admit(run, hist.family, hist.labels, histogram=True):
