@@ -207,3 +207,92 @@ def test_attach_on_a_torch_older_than_supported_is_a_no_op_with_one_warning(tmp_
     assert "None 0" == result.stdout.strip()
     assert ["torchpulse: torch too old for torchpulse probes; not attaching (torch_version='2.3.1')"] == (
         result.stderr.splitlines())
+
+
+def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_descriptors(
+        tmp_path: Any) -> None:
+    """EMFILE while connecting is a retry, not a dead agent thread; after detach, no byte reaches a file
+    that took over the agent's old descriptor numbers."""
+    result = _run(f"""
+        import os, resource, time, torch, torchpulse
+        agent = torchpulse.attach(probes=["optimizer"], flush_interval=0.02, backoff_initial=0.02,
+                                  backoff_max=0.05)
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(1, 2)).sum().backward(); opt.step()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        hog = []
+        try:
+            while True:
+                hog.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        time.sleep(0.5)
+        for fd in hog:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        alive = agent._sender.is_alive()
+        torchpulse.detach()
+        files = [open(os.path.join({str(tmp_path)!r}, f"f{{i}}"), "wb", buffering=0) for i in range(4)]
+        agent.control._answer(type("C", (), {{"id": 1}})(), True, "late", {{}})  # wakes a stopped sender
+        for f in files:
+            f.close()
+        print(alive, [os.path.getsize(f.name) for f in files])
+        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+    assert "True [0, 0, 0, 0]" == result.stdout.strip(), result.stderr
+
+
+def test_undecodable_bytes_in_argv_and_log_fields_still_reach_the_daemon(tmp_path: Any) -> None:
+    """A surrogate-escaped argument (a Latin-1 file name) is sent as "?", not a dead agent thread."""
+    from tests.support import start_daemon, wait_for
+    from torchpulse.daemon.client import request_status
+
+    daemon = start_daemon(tmp_path)
+    try:
+        script = textwrap.dedent("""
+            import sys, torch, torchpulse
+            agent = torchpulse.attach(probes=["optimizer"])
+            agent.emit("info", "odd.field", path=sys.argv[1])
+            model = torch.nn.Linear(2, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.randn(1, 2)).sum().backward(); opt.step()
+            print(agent.flush(10), agent._sender.is_alive())
+            torchpulse.detach()
+            """)
+        env = {**os.environ, "TORCHPULSE_SOCKET": str(daemon.socket_path), "TORCHPULSE_RUN": "latin"}
+        result = subprocess.run([sys.executable, "-c", script, b"/data/caf\xe9".decode("utf-8", "surrogateescape")],
+                                capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False)
+        assert "True True" == result.stdout.strip(), result.stderr
+        wait_for(lambda: any(e.get("event") == "odd.field" for e in daemon.log_lines()))
+        event = next(e for e in daemon.log_lines() if e.get("event") == "odd.field")
+        assert "/data/caf?" == event["path"]
+        assert any(r.run == "latin" for r in request_status(daemon.socket_path).runs)
+    finally:
+        daemon.stop()
+
+
+def test_a_probe_failing_on_the_agent_thread_leaves_hook_tables_alone() -> None:
+    """A record handler that raises on the agent's thread disables its probe without removing hooks
+    there (the training thread may be iterating that table); detach removes them."""
+    import threading
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    from torchpulse.probes.base import mark_agent_thread
+
+    before = len(_global_optimizer_post_hooks)
+    agent = _agent()
+    probe = agent.probes["optimizer"]
+    installed = len(_global_optimizer_post_hooks)
+
+    def agent_thread() -> None:
+        mark_agent_thread()
+        probe.fail(RuntimeError("aggregation bug"))
+
+    thread = threading.Thread(target=agent_thread)
+    thread.start()
+    thread.join()
+    assert (False, installed) == (probe.enabled, len(_global_optimizer_post_hooks))
+    agent.shutdown()
+    assert before == len(_global_optimizer_post_hooks)

@@ -125,3 +125,54 @@ def test_status_shows_the_slowest_autograd_nodes_and_cudagraph_dump_answers() ->
         assert (True, True, 0) == (dump.ok, dump.data["available"], dump.data["trees"])
     finally:
         agent.shutdown()
+
+
+def test_commands_that_reinstall_hooks_never_raise_into_the_step() -> None:
+    """disable, enable, disable (each re-registering hooks), also with a job's own global post-hook
+    registered after attach: every step completes and every command is answered."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    agent, model, optimizer = _setup()
+    seen: list[int] = []
+    try:
+        _step(model, optimizer)
+        for n, name in enumerate(["disable", "enable", "disable", "enable"], start=1):
+            agent.control.receive(Command(n, name, {"probe": "optimizer"}))
+            _step(model, optimizer)
+            if n == 2:
+                user = register_optimizer_step_post_hook(lambda *_: seen.append(1))
+        _step(model, optimizer, 2)
+        assert [(n, True) for n in range(1, 5)] == [(r.id, r.ok) for r in agent.control.results]
+        assert seen, "the job's own hook ran"
+        user.remove()
+    finally:
+        agent.shutdown()
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """The usual wrapper shape (timm, torch_optimizer, ZeroRedundancyOptimizer): step() steps another."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base = base
+        super().__init__(base.param_groups, {})
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.base.step()
+
+
+def test_a_wrapping_optimizer_counts_steps_and_an_idle_first_optimizer_is_replaced() -> None:
+    """The outer optimizer of a wrapper is the main one; an optimizer that stepped first (an LR finder's)
+    and then stopped is replaced once another steps twice without it; commands apply throughout."""
+    agent, model, finder = _setup()
+    try:
+        _step(model, finder, 3)
+        optimizer = _Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+        _step(model, optimizer, 2)  # the second step makes it the main optimizer
+        agent.control.receive(Command(1, "status", {}))
+        agent.control.receive(Command(2, "disable", {"probe": "optimizer"}))
+        _step(model, optimizer, 5)
+        assert 3 + 2 + 5 - 1 == agent.step  # the first step of the new optimizer is not a boundary
+        assert [1, 2] == [r.id for r in agent.control.results]
+        assert finder is not None
+    finally:
+        agent.shutdown()

@@ -26,6 +26,15 @@ def inside_hook() -> bool:
     return getattr(_depth, "value", 0) > 0
 
 
+def mark_agent_thread() -> None:
+    """Called by the agent's own thread: probes failing there must not touch hook tables."""
+    _depth.agent_thread = True
+
+
+def _on_agent_thread() -> bool:
+    return bool(getattr(_depth, "agent_thread", False))
+
+
 class Removable(Protocol):
     def remove(self) -> None: ...
 
@@ -70,11 +79,12 @@ class Probe:
             self._handle = None
             self._uninstalled()
             self.agent.record_quiet(self._set_enabled_gauge, 0.0)
-        if inside_hook():
+        if inside_hook() or _on_agent_thread():
             # Removing a hook while torch loops over its hook dict raises
-            # "OrderedDict mutated during iteration" in the job. The hooks stay
-            # registered but inert until an uninstall outside any hook
-            # (detach, shutdown) or a re-install reuses them.
+            # "OrderedDict mutated during iteration" in the job, and from the
+            # agent's thread the training thread may be looping over it right
+            # now. The hooks stay registered but inert until an uninstall on the
+            # training thread outside any hook (detach) or a re-install reuses them.
             return
         handles, self._handles = self._handles, []
         for handle in reversed(handles):

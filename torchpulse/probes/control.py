@@ -2,8 +2,8 @@
 
 The sender thread receives a `Command` and either answers at once (`status`
 reads plain fields) or queues it. The training thread runs queued commands at
-its next step boundary (the optimizer post-hook, or the end of a backward
-pass when the autograd probe is on), never in the middle of a step. A trace
+its next step boundary (after the job's main optimizer stepped), never in
+the middle of a step. A trace
 spans whole optimizer steps: it starts right after step S-1 finished and
 stops right after step S+N-1 finished, so it covers steps S..S+N-1 exactly.
 """
@@ -51,7 +51,10 @@ class Control:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._first: weakref.ref[Any] | None = None
+        self._stepped_since_first: set[int] = set()  # ids of other optimizers since the main one stepped
         self._handle: Any = None
+        self._hook: Callable[..., None] | None = None
+        self._pre_handle: Any = None
         self._pending: deque[Command] = deque()
         self.results: deque[CommandResult] = deque()
         self._trace: _Trace | None = None
@@ -68,38 +71,81 @@ class Control:
         }
 
     # -- the step boundary ----------------------------------------------------
+    # Commands (un)install probes, which adds to and removes from torch's table
+    # of global post-hooks while torch iterates it. That is harmless only from
+    # the table's last hook (the iteration is then over), so our hook is kept
+    # last: before each step of the main optimizer (from a pre-hook on that
+    # optimizer, when no global table is being iterated) and after commands ran.
+    # The main optimizer is the first one to step, outermost when one wraps
+    # another, replaced when it stops stepping while another one goes on.
     def install(self) -> None:
-        """Count steps and apply commands from a hook of our own, independent of any probe,
+        """Count steps and apply commands from hooks of our own, independent of any probe,
         so that `ctl disable optimizer` can be undone by `ctl enable optimizer`."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         from torchpulse.probes.torch_features import disable_tracing
 
         if self._handle is None:
-            hook = disable_tracing(self._after_step)
-            self._handle = register_optimizer_step_post_hook(hook)
+            self._hook = disable_tracing(self._after_step)
+            self._handle = register_optimizer_step_post_hook(self._hook)
 
     def uninstall(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.remove()
+        handles, self._handle, self._pre_handle = (self._handle, self._pre_handle), None, None
+        self._first = None
+        for handle in handles:
+            if handle is not None:
+                handle.remove()
 
     def _after_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if not self.agent.enabled:
             return
         try:
-            first = self._first() if self._first is not None else None
-            if first is None:
-                self._first = weakref.ref(optimizer)
-            elif first is not optimizer:
-                return
             if _nested_step():
-                return
+                return  # the inner optimizer of a wrapper, or super().step(): not a step boundary
+            first = self._first() if self._first is not None else None
+            if first is not optimizer:
+                if first is not None and id(optimizer) not in self._stepped_since_first:
+                    self._stepped_since_first.add(id(optimizer))
+                    return
+                # No main optimizer yet, it is gone, or this one stepped twice while it did not (an LR finder's).
+                self._adopt(optimizer)
+            self._stepped_since_first.clear()
             self.agent.step += 1
-            if self.armed:
+            if self.armed and self._last_hook():
                 self.safe_point()
+                self._move_last()
         except Exception as exc:  # never into the job
             log.warning("step boundary hook failed", error=repr(exc))
+
+    def _adopt(self, optimizer: Any) -> None:
+        from torchpulse.probes.torch_features import disable_tracing
+
+        if self._pre_handle is not None:
+            self._pre_handle.remove()  # the old optimizer's own table: not being iterated
+        self._pre_handle = optimizer.register_step_pre_hook(disable_tracing(self._before_main_step))
+        self._first = weakref.ref(optimizer)
+
+    def _before_main_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        try:
+            if self.armed:
+                self._move_last()
+        except Exception as exc:  # never into the job
+            log.warning("step boundary hook failed", error=repr(exc))
+
+    def _last_hook(self) -> bool:
+        """Whether our hook is the last of the global table (unknown tables count as last)."""
+        from torchpulse.probes.torch_features import global_optimizer_post_hooks
+
+        table = global_optimizer_post_hooks()
+        return table is None or self._handle is None or next(reversed(table), None) == self._handle.id
+
+    def _move_last(self) -> None:
+        """Re-register our hook at the end of the table; only when the table is not being iterated."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        if self._handle is not None and self._hook is not None and not self._last_hook():
+            self._handle.remove()
+            self._handle = register_optimizer_step_post_hook(self._hook)
 
     # -- sender thread --------------------------------------------------------
     def receive(self, command: Command) -> None:

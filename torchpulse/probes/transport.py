@@ -23,6 +23,7 @@ from torchpulse.protocol import (
     Batch,
     Command,
     ErrorReply,
+    FieldValue,
     FrameError,
     Goodbye,
     Hello,
@@ -55,6 +56,9 @@ class Sender(threading.Thread):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._pipe_lock = threading.Lock()
+        self._pipe_open = True
+        self._errors_logged: set[type[BaseException]] = set()
         self._flushed = threading.Condition()
         self._flush_generation = 0
         self._completed_generation = 0
@@ -80,32 +84,53 @@ class Sender(threading.Thread):
             return self._completed_generation >= wanted and self._last_flush_ok
 
     def wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"!")
+        with self._pipe_lock:
+            if self._pipe_open:  # a closed descriptor number may be the job's file by now
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_w, b"!")
 
     def stop(self, timeout: float) -> None:
         self._stop_event.set()
         self._next_attempt = 0.0
         self.wake()
         self.join(timeout)
+        if not self.is_alive():
+            with self._pipe_lock:
+                self._pipe_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     # -- the thread ---------------------------------------------------------
     def run(self) -> None:
-        try:
-            next_flush = time.monotonic() + self.config.flush_interval
-            while not self._stop_event.is_set():
+        from torchpulse.probes.base import mark_agent_thread
+
+        mark_agent_thread()
+        next_flush = time.monotonic() + self.config.flush_interval
+        while not self._stop_event.is_set():
+            try:
                 if self._wait(next_flush):
                     next_flush = time.monotonic() + self.config.flush_interval
                     self._cycle()
                 else:
                     self._service_commands()
+            except Exception as exc:  # a bug here must cost one cycle, never the job's metrics for good
+                self._internal_error(exc)
+                next_flush = time.monotonic() + self.config.flush_interval
+        try:
             self._cycle(final=True)
-        except Exception as exc:  # a bug here must not take the job down, only the agent
-            log.warning("agent sender stopped after an internal error", error=repr(exc))
+        except Exception as exc:
+            self._internal_error(exc)
         finally:
             self._close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+
+    def _internal_error(self, exc: Exception) -> None:
+        if type(exc) not in self._errors_logged:
+            self._errors_logged.add(type(exc))
+            log.warning("agent sender hit an internal error; reconnecting and carrying on", error=repr(exc))
+        self._close()
+        self._schedule_retry(str(self.config.socket_path), None)
+        # Not a busy loop if the error repeats at once (a broken wake-up pipe).
+        self._stop_event.wait(min(1.0, self.config.flush_interval))
 
     def _wait(self, deadline: float) -> bool:
         """Sleep until the deadline, a wake-up, or daemon input; True when a full cycle is due."""
@@ -142,7 +167,11 @@ class Sender(threading.Thread):
     # -- connection ---------------------------------------------------------
     def _connect(self) -> None:
         path = str(self.config.socket_path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # EMFILE: the job holds every descriptor; try again later
+            self._schedule_retry(path, exc)
+            return
         sock.settimeout(self.config.connect_timeout)
         try:
             sock.connect(path)
@@ -203,15 +232,15 @@ class Sender(threading.Thread):
         except ImportError:
             torch_version = "unknown"
         return Hello(
-            run=ident.run,
+            run=utf8(ident.run),
             rank=ident.rank,
             local_rank=ident.local_rank,
             world_size=ident.world_size,
             pid=ident.pid,
-            host=ident.host,
+            host=utf8(ident.host),
             torch_version=torch_version,
             agent_version=torchpulse.__version__,
-            command=ident.command,
+            command=utf8(ident.command),
             started_at=time.time(),
         )
 
@@ -235,7 +264,12 @@ class Sender(threading.Thread):
         self._last_send = now
         for part_samples, part_hist, part_events in _split(samples, histograms, events):
             self._seq += 1
-            frame = encode(Batch(self._seq, time.time(), part_samples, part_hist, part_events))
+            batch = Batch(self._seq, time.time(), part_samples, part_hist, part_events)
+            try:
+                frame = encode(batch)
+            except UnicodeEncodeError:
+                # A surrogate-escaped byte from argv, a path or the environment: sent as "?".
+                frame = encode(_utf8_batch(batch))
             if not self._send_frame(frame):
                 self.agent.store.restore_changes(samples, histograms)
                 self.agent.return_events(events)
@@ -277,6 +311,30 @@ class Sender(threading.Thread):
             self._disconnect(exc)
             return False
         return True
+
+
+def utf8(text: str) -> str:
+    """`text` as valid UTF-8: undecodable bytes Python kept as surrogates become "?"."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _utf8_value(value: FieldValue) -> FieldValue:
+    return utf8(value) if isinstance(value, str) else value
+
+
+def _utf8_batch(batch: Batch) -> Batch:
+    return Batch(
+        batch.seq, batch.sent_at,
+        [Sample(utf8(s.family), tuple(utf8(v) for v in s.labels), s.value) for s in batch.samples],
+        [HistogramSample(utf8(h.family), tuple(utf8(v) for v in h.labels), h.bucket_counts, h.total)
+         for h in batch.histograms],
+        [LogEvent(e.ts, utf8(e.level), utf8(e.event), {utf8(k): _utf8_value(v) for k, v in e.fields.items()})
+         for e in batch.events],
+    )
 
 
 def _split(
