@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from typing import Any
 
 import pytest
@@ -72,6 +74,15 @@ def test_a_step_that_raises_is_counted_as_an_error_not_a_step() -> None:
         agent.drain()
         assert (1.0, 1.0) == (agent.store.value("optimizer_steps_total", ("Exploding#0",)),
                               agent.store.value("optimizer_step_errors_total", ("Exploding#0",)))
+        # A step that raised last must not keep the optimizer (and its state) alive: OOM-retry loops
+        # drop the optimizer and build a smaller one.
+        optimizer.explode = True
+        with pytest.raises(RuntimeError, match="boom"):
+            optimizer.step()
+        gone = weakref.ref(optimizer)
+        del optimizer
+        gc.collect()
+        assert gone() is None
     finally:
         agent.shutdown()
 
@@ -296,3 +307,26 @@ def test_a_probe_failing_on_the_agent_thread_leaves_hook_tables_alone() -> None:
     assert (False, installed) == (probe.enabled, len(_global_optimizer_post_hooks))
     agent.shutdown()
     assert before == len(_global_optimizer_post_hooks)
+
+
+def test_optimizers_built_over_and_over_reuse_their_labels() -> None:
+    """A search that builds one optimizer per trial keeps one label and no growing hook list; optimizers
+    alive together still get distinct labels."""
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    try:
+        handles = len(agent.probes["optimizer"]._handles)
+        for _ in range(50):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            _train(optimizer, model, 1)
+            del optimizer
+            gc.collect()
+        first, second = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        _train(first, model, 1)
+        _train(second, model, 1)
+        agent.drain()
+        assert (51.0, 1.0) == (agent.store.value("optimizer_steps_total", ("SGD#0",)),
+                               agent.store.value("optimizer_steps_total", ("SGD#1",)))
+        assert handles == len(agent.probes["optimizer"]._handles)
+    finally:
+        agent.shutdown()

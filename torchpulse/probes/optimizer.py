@@ -9,8 +9,10 @@ state gains entries, and after `load_state_dict`.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -22,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from torchpulse.probes import torch_features as tf
-from torchpulse.probes.base import Probe
+from torchpulse.probes.base import Probe, Removable
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 Sizes = tuple[int, int, int]
 # Frames of these files sit between torch's step wrapper and our hook.
 _WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), *tf.TRACING_WRAPPER_PATHS)
+# Frames searched above a step for an outer step of the same optimizer.
+_MAX_STEP_DEPTH = 32
 
 
 def _step_wrapper_frame() -> FrameType | None:
@@ -40,24 +44,32 @@ def _step_wrapper_frame() -> FrameType | None:
     return frame
 
 
-def _on_stack(target: FrameType, frame: FrameType | None) -> bool:
-    while frame is not None:
-        if frame is target:
+def _inside_step_of(optimizer: Optimizer, wrapper: FrameType) -> bool:
+    """Whether a caller of `wrapper` is another run of the same step wrapper for `optimizer`.
+
+    That is `super().step()` in a subclass (torch wraps both methods). Found by
+    walking the stack instead of remembering the outer frame: a remembered frame
+    holds the optimizer in its locals, and when step() raised (the post-hook
+    never ran) it kept the optimizer alive for ever.
+    """
+    frame = wrapper.f_back
+    for _ in range(_MAX_STEP_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code is wrapper.f_code and frame.f_locals.get("self") is optimizer:
             return True
         frame = frame.f_back
     return False
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "frame", "label", "nested", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "label", "nested", "rescan", "started", "state_len", "steps")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.started: float | None = None
         # A subclass whose step() calls super().step() runs torch's hooked
-        # wrapper twice; the outer wrapper's frame tells nesting from a step
-        # that raised (whose post-hook never ran).
-        self.frame: FrameType | None = None
+        # wrapper twice: inner runs are counted here, not as steps.
         self.nested = 0
         self.steps = 0
         self.state_len = -1
@@ -95,6 +107,38 @@ def measure(optimizer: Optimizer) -> Sizes:
     return params, elements, state_bytes
 
 
+class _PerOptimizerHooks:
+    """Handles of hooks registered on each optimizer, dropped together with it."""
+
+    def __init__(self) -> None:
+        self.handles: weakref.WeakKeyDictionary[Optimizer, Removable] = weakref.WeakKeyDictionary()
+
+    def remove(self) -> None:
+        for handle in list(self.handles.values()):
+            handle.remove()
+        self.handles.clear()
+
+
+class _Labels:
+    """`Type#n` with the smallest n no live optimizer holds: a job that builds optimizers over
+    and over (a search, OOM retries) keeps as many series as it has optimizers at once."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._next = itertools.count()
+        self._lock = threading.Lock()  # optimizers die in whichever thread collects them
+
+    def take(self, optimizer: Optimizer) -> str:
+        with self._lock:
+            index = heapq.heappop(self._free) if self._free else next(self._next)
+        weakref.finalize(optimizer, self._give_back, index)
+        return f"{type(optimizer).__name__}#{index}"
+
+    def _give_back(self, index: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, index)
+
+
 class OptimizerProbe(Probe):
     name = "optimizer"
 
@@ -102,20 +146,23 @@ class OptimizerProbe(Probe):
         super().__init__(agent)
         self.state_every = agent.config.optimizer_state_every
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
-        self._ids = itertools.count()
+        self._labels = _Labels()
+        self._load_hooks = _PerOptimizerHooks()
 
     def _install(self) -> None:
         self._keep(register_optimizer_step_pre_hook(self.guard(self._before_step)))
         self._keep(register_optimizer_step_post_hook(self.guard(self._after_step)))
+        self._load_hooks = _PerOptimizerHooks()
+        self._keep(self._load_hooks)
 
     def _uninstalled(self) -> None:
         # Labels stay stable across disable/enable; a step in flight is forgotten.
         for tracked in self._tracked.values():
-            tracked.started = tracked.frame = None
+            tracked.started = None
             tracked.nested = 0
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
-        tracked = _Tracked(f"{type(optimizer).__name__}#{next(self._ids)}")
+        tracked = _Tracked(self._labels.take(optimizer))
         self._tracked[optimizer] = tracked
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
@@ -126,20 +173,19 @@ class OptimizerProbe(Probe):
                 if entry is not None:
                     entry.rescan = True
 
-            self._keep(register(_loaded))
+            self._load_hooks.handles[optimizer] = register(_loaded)
         return tracked
 
     def _before_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
-        frame = _step_wrapper_frame()
-        if tracked.started is not None and tracked.frame is not None:
-            if frame is not None and _on_stack(tracked.frame, frame.f_back):
+        if tracked.started is not None:
+            frame = _step_wrapper_frame()
+            if frame is not None and _inside_step_of(optimizer, frame):
                 tracked.nested += 1
                 return
             # The previous step raised: its post-hook never ran.
             self.agent.record(self._on_error, tracked.label)
         tracked.nested = 0
-        tracked.frame = frame
         tracked.started = time.perf_counter()
 
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -151,7 +197,7 @@ class OptimizerProbe(Probe):
             tracked.nested -= 1
             return
         duration = end - tracked.started
-        tracked.started = tracked.frame = None
+        tracked.started = None
         tracked.steps += 1
         sizes: Sizes | None = None
         state_len = len(optimizer.state)
