@@ -139,3 +139,44 @@ def test_half_precision_gradients_are_reduced_in_float32_and_mixed_dtypes_groupe
         agent.drain()
         assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
         assert 1 == agent.store.value("grad_nonfinite_parameters", ())
+
+
+def test_a_second_model_and_a_reentrant_checkpoint_are_checked_from_their_optimizers_first_step() -> None:
+    """Parameters outside the graphs searched so far (a GAN's generator stepped by its own optimizer,
+    a block under reentrant activation checkpointing) are checked from their optimizer's first step."""
+    from torch.utils.checkpoint import checkpoint
+
+    with autograd_agent() as agent:
+        disc, gen = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+        inner, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (disc, gen, inner, head)]
+        gen.weight.register_hook(lambda g: torch.full_like(g, math.inf))
+        inner.weight.register_hook(lambda g: torch.full_like(g, math.nan))
+        disc(torch.randn(2, 4)).sum().backward()  # pass 0: the first graph search sees only disc
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for _ in range(4):  # two passes per step, so a plain period-N search would alias
+            disc(gen(torch.randn(2, 4))).sum().backward()
+            head(checkpoint(inner, torch.randn(2, 4, requires_grad=True), use_reentrant=True)).sum().backward()
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+        agent.drain()
+        assert 8 == agent.store.value("grad_nonfinite_passes_total", ())
+        # The generator's inf, then (its grad not yet zeroed) both it and the checkpointed NaN.
+        assert [1, 2] * 4 == [e["parameters"] for e in events(agent, "autograd.nonfinite_gradients")]
+
+
+def test_a_gradient_edge_output_does_not_switch_the_probe_off() -> None:
+    """torch.distributed.pipelining runs weight backwards from GradientEdges, not tensors."""
+    from torch.autograd.graph import get_gradient_edge
+
+    with autograd_agent() as agent:
+        weight = torch.randn(3, requires_grad=True)
+        hidden = weight * 2
+        out = hidden.sum()
+        (grad,) = torch.autograd.grad([get_gradient_edge(out)], [weight], [torch.ones(())])
+        agent.drain()
+        assert [2.0, 2.0, 2.0] == grad.tolist()
+        assert agent.probes["autograd"].enabled
+        assert 1 == agent.store.value("backward_passes_total", ("grad",))

@@ -16,6 +16,7 @@ import functools
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -90,11 +91,16 @@ class AutogradProbe(Probe):
         self.config = AutogradConfig.from_options(agent.config.options)
         self._sample_every = self.config.sample_every
         self._countdown = 0  # the first pass is timed: it also discovers the parameters
+        self._due_passes = 0
         self._log_left = self.config.log_passes
         self._control: dict[str, int] = {}
         self._passes = 0
         self._discovered = False
         self._check = GradCheck(self.config.max_pending_checks)
+        # Optimizer -> parameter groups already tracked: graph walks find parameters only on
+        # sampled passes, so a second model (a GAN's generator, a rebuilt model) or the inside
+        # of a reentrant checkpoint would go unchecked for up to N passes, or for ever.
+        self._optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._names = NameResolver()
         self._node_label = BoundedLabel(self.config.top_nodes)
         self._torch_logging_noted = False
@@ -149,9 +155,25 @@ class AutogradProbe(Probe):
         same = current is graph_patch.original
         wrapper = graph_patch._replacement if same else self._wrap(current)
         self._keep(_Patch(torch.autograd, "_engine_run_backward", wrapper))
+        if self.config.nonfinite:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
+
+    def _track_optimizer(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """Check every parameter an optimizer steps, from its first step on (one lookup per step)."""
+        groups = len(optimizer.param_groups)
+        if self._optimizers.get(optimizer) == groups:
+            return
+        self._optimizers[optimizer] = groups
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if isinstance(param, torch.Tensor):
+                    self._check.track(param)
 
     def _uninstalled(self) -> None:
         self._check.clear()
+        self._optimizers = weakref.WeakKeyDictionary()
         self._names = NameResolver()
         self._discovered = False
         self.last_sample = None
@@ -207,7 +229,13 @@ class AutogradProbe(Probe):
         self._countdown -= 1
         due = self._countdown < 0
         if due:
-            self._countdown = (self._sample_every or DISCOVER_EVERY) - 1
+            # Periods alternate N+1 and N-1 (N on average): a job alternating graphs (a GAN's two
+            # passes) with a period dividing N would otherwise have only one of them ever timed
+            # or searched for parameters.
+            period = self._sample_every or DISCOVER_EVERY
+            self._due_passes += 1
+            jitter = (1 if self._due_passes % 2 else -1) if period > 1 else 0
+            self._countdown = period - 1 + jitter
         # Compiled autograd: hooks would be traced into its graph and change its
         # cache key, so its passes are neither timed nor logged (reading is fine).
         plan.logged = not compiled and self._log_left > 0 and not self._torch_logs_nodes()
@@ -295,6 +323,8 @@ class AutogradProbe(Probe):
 
 def _is_traced(tensor: Any) -> bool:
     """Fake or functional tensors: a compile-time trace, not a pass of the job."""
+    if not isinstance(tensor, torch.Tensor):
+        return False  # a GradientEdge (pipelining's weight backward), not a tensor
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 

@@ -133,7 +133,9 @@ def _launch_group(pass_index: int, kind: str, device: torch.device, dtype: torch
     host = torch.empty(norms.shape, dtype=norms.dtype, pin_memory=True)
     host.copy_(norms, non_blocking=True)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
+    # The norms and the copy ran on the grads' device: a bare record() would mark
+    # the current device's stream, and on cuda:1 poll() could read the buffer early.
+    event.record(torch.cuda.current_stream(device))
     return _Pending(pass_index, kind, refs, host, event)
 
 
