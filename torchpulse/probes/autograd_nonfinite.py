@@ -105,8 +105,11 @@ class GradCheck:
     def poll(self) -> list[CheckResult]:
         """Checks whose results reached the host, oldest first; never waits."""
         results: list[CheckResult] = []
-        while self._pending and self._pending[0].ready():
-            results.append(_read(self._pending.popleft()))
+        try:
+            while self._pending[0].ready():
+                results.append(_read(self._pending.popleft()))
+        except IndexError:
+            pass  # empty, or another thread's pass (two backward threads) took the last one
         return results
 
     def clear(self) -> None:
