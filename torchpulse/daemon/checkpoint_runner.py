@@ -15,12 +15,18 @@ import contextlib
 import json
 import sys
 import time
+from collections import deque
 
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 
-# Enough for the one JSON line; a runaway worker cannot fill the daemon's memory.
+# Enough for the one JSON line: only this much of the end of stdout is kept,
+# so a runaway worker cannot fill the daemon's memory.
 MAX_OUTPUT_BYTES = 16 << 20
+# stderr only gives the last line of a crash's message.
+MAX_STDERR_BYTES = 64 << 10
+# Read size, and the pipe readers' buffer limit (asyncio buffers up to twice it).
+CHUNK_BYTES = 64 << 10
 
 
 def worker_command(path: str, level: Level, limits: Limits) -> list[str]:
@@ -40,27 +46,62 @@ async def validate(path: str, level: Level, limits: Limits) -> ValidationResult:
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *worker_command(path, level, limits), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=MAX_OUTPUT_BYTES,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=CHUNK_BYTES,
         # Its own process group: a ^C to the daemon's terminal is the daemon's to handle.
         start_new_session=True,
     )
     try:
         async with asyncio.timeout(limits.timeout_seconds):
-            stdout, stderr = await proc.communicate()
+            # Both pipes drained at once: a worker blocked on a full stderr pipe never finishes its stdout.
+            assert proc.stdout is not None and proc.stderr is not None
+            line, error_line, _ = await asyncio.gather(_last_line_of(proc.stdout, MAX_OUTPUT_BYTES),
+                                                       _last_line_of(proc.stderr, MAX_STDERR_BYTES), proc.wait())
     except TimeoutError:
         await _kill(proc)
         return error_result(path, level, f"worker timed out after {limits.timeout_seconds:g} s", started)
     except BaseException:
         await asyncio.shield(_kill(proc))
         raise
-    lines = stdout.decode(errors="replace").strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return error_result(path, level, f"worker failed: {tail[0][:300]}", started)
+    if proc.returncode != 0 or not line:
+        message = error_line.decode(errors="replace").strip() or f"exit status {proc.returncode}"
+        return error_result(path, level, f"worker failed: {message[:300]}", started)
     try:
-        return ValidationResult.from_json(json.loads(lines[-1]))
+        return ValidationResult.from_json(json.loads(line))
     except (ValueError, KeyError, AssertionError) as exc:
         return error_result(path, level, f"worker answered garbage: {exc!r}"[:300], started)
+
+
+async def _last_line_of(stream: asyncio.StreamReader, cap: int) -> bytes:
+    """Read `stream` to its end and return its last non-blank line, from (about) its last `cap` bytes.
+
+    `communicate` keeps everything. Whole chunks are dropped from the head (a
+    bytearray trimmed at the head is reallocated, briefly twice its size), and
+    they are gone when this returns: only the line outlives the read.
+    """
+    chunks: deque[bytes] = deque()
+    size = 0
+    while chunk := await stream.read(CHUNK_BYTES):
+        chunks.append(chunk)
+        size += len(chunk)
+        while size - len(chunks[0]) >= cap:
+            size -= len(chunks.popleft())
+    return _last_line(chunks)
+
+
+def _last_line(chunks: deque[bytes]) -> bytes:
+    """The last non-blank line, joined from the chunks it spans only."""
+    parts: list[bytes] = []
+    for chunk in reversed(chunks):
+        if not parts:
+            chunk = chunk.rstrip()  # trailing blank lines and the final newline
+            if not chunk:
+                continue
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            parts.append(chunk[cut + 1 :])
+            break
+        parts.append(chunk)
+    return b"".join(reversed(parts))
 
 
 async def _kill(proc: asyncio.subprocess.Process) -> None:

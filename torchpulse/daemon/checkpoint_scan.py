@@ -7,6 +7,8 @@ runs these in a thread. Nothing here keeps state.
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -50,7 +52,7 @@ def metadata_key(path: str) -> tuple[str, float] | None:
         directory = Path(path)
         names = _metadata_names([entry.name for entry in directory.iterdir()])
         stats = [(directory / name).stat() for name in names]
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
         return None
     if not stats:
         return None
@@ -58,8 +60,35 @@ def metadata_key(path: str) -> tuple[str, float] | None:
     return key, max(st.st_mtime for st in stats)
 
 
+def newest_data_write(directory: str, names: Iterable[str]) -> float | None:
+    """mtime of the newest data file among `names`, or None when there is none.
+
+    Only regular files count (symlinks followed): a dangling shard symlink or a
+    directory named `*.distcp` is no data, and the sweep and the validation must
+    agree on this key or the save is validated again at every sweep.
+    """
+    newest: float | None = None
+    for name in names:
+        if not name.endswith(DATA_SUFFIXES):
+            continue
+        try:
+            st = (Path(directory) / name).stat()
+        except (OSError, ValueError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    return newest
+
+
 def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
     """Walk `root` (not following symlinks); unreadable directories are skipped."""
+    try:
+        return _scan(root, max_depth)
+    except ValueError:  # a NUL byte: no such directory can exist
+        return Scan()
+
+
+def _scan(root: str, max_depth: int) -> Scan:
     result = Scan()
     base_depth = root.rstrip(os.sep).count(os.sep)
     for dirpath, dirnames, filenames in os.walk(root, onerror=None, followlinks=False):
@@ -72,14 +101,8 @@ def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
             # A checkpoint's own subdirectories are not other checkpoints.
             dirnames.clear()
             continue
-        data = [name for name in filenames if name.endswith(DATA_SUFFIXES)]
-        if data:
-            newest = 0.0
-            for name in data:
-                try:
-                    newest = max(newest, (Path(dirpath) / name).stat().st_mtime)
-                except OSError:
-                    continue
+        newest = newest_data_write(dirpath, filenames)
+        if newest is not None:
             result.uncommitted.append(Uncommitted(dirpath, newest))
     return result
 
@@ -103,6 +126,8 @@ def _deleted(path: str) -> bool:
         pass
     except OSError:
         return False
+    except ValueError:  # a NUL byte: it cannot exist
+        return True
     for ancestor in Path(path).parents:
         try:
             with os.scandir(ancestor) as entries:

@@ -7,6 +7,11 @@ when its metadata key was validated before (also before a restart), and
 validated in a worker process, at most `max_concurrent_validations` at once.
 A periodic sweep finds what events missed: checkpoints committed while the
 daemon was down, saves that never committed, roots that came back.
+
+Anything that touches a root's filesystem (scheduling a watch walks the whole
+tree) runs in its own thread, at most one watch operation and one scan per
+root at a time, and is awaited for a bounded time only: a root on a hung
+network mount stalls neither the loop nor the other roots.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ from typing import Final
 
 import structlog
 
-from torchpulse.checkpoints.model import DATA_SUFFIXES, Level, ValidationResult
+from torchpulse.checkpoints.model import Level, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
-from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
-from torchpulse.daemon.checkpoint_scan import Scan, deleted, metadata_key, scan
+from torchpulse.daemon.checkpoint_mounts import Mount, read_mounts
+from torchpulse.daemon.checkpoint_scan import Scan, deleted, metadata_key, newest_data_write, scan
 from torchpulse.daemon.checkpoint_state import Record, StateStore
 from torchpulse.daemon.checkpoint_stats import CheckpointStats
-from torchpulse.daemon.watcher import Watcher, WatchEvent
+from torchpulse.daemon.offloop import off_loop
+from torchpulse.daemon.watcher import Outcome, Watcher, WatchEvent
 from torchpulse.protocol import CheckpointSaved
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
@@ -39,6 +45,14 @@ OTHER: Final = "other"
 MAX_SWEEP_INTERVAL: Final = 60.0
 # Forgetting records of deleted checkpoints stats every recorded path: hourly is plenty.
 PRUNE_INTERVAL: Final = 3600.0
+# How long start and a sweep wait for the watch operations and scans they
+# started. One still running then (a hung mount) goes on in its thread, and its
+# root is skipped, not waited for, until it ends.
+SETTLE_SECONDS: Final = 10.0
+# Longer paths cannot be opened (PATH_MAX).
+MAX_PATH_BYTES: Final = 4095
+# Distinct refused paths logged; an agent repeating a bad one logs it once.
+MAX_LOGGED_ONCE: Final = 1024
 
 
 class CheckpointService:
@@ -53,8 +67,19 @@ class CheckpointService:
         self._watcher: Watcher | None = None
         self._announced: dict[str, float] = {}  # announced root -> last announcement
         self._folded: set[str] = set()
-        self._wanted: dict[str, str] = {}  # root -> observer kind it should have
+        self._wanted: dict[str, str] = {}  # root -> observer wanted: auto, inotify or polling
+        # root -> its configured observer when inotify ran out of watches: polled until the config changes it.
+        self._fallbacks: dict[str, str] = {}
         self._watch_errors: dict[str, str] = {}
+        self._ops: dict[str, asyncio.Task[None]] = {}  # root -> its watch operation in flight
+        self._op_started: dict[str, float] = {}  # root -> when (monotonic) that operation started
+        self._again: set[str] = set()  # roots asked about while their operation was in flight
+        self._scans: dict[str, asyncio.Task[None]] = {}  # root -> its scan in flight
+        self._prune_task: asyncio.Task[None] | None = None
+        # path -> validated key the state store could not write (full, read-only disk): not validated twice.
+        self._unsaved: dict[str, str] = {}
+        self._logged_once: set[str] = set()
+        self._closing = False
         self._debounce: dict[str, asyncio.TimerHandle] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
@@ -70,24 +95,49 @@ class CheckpointService:
         loop = asyncio.get_running_loop()
         self._store = StateStore(self._state_dir)
         self.stats.restore(self._store.latest_per_root(), self._store.last_valid_per_root())
-        kept = list(self._store.announced_roots().items())[: self.config.max_announced_roots]
-        self._announced = dict(kept)
+        self._announced = dict(self._stored_announced_roots()[: self.config.max_announced_roots])
         self._expire_announced()  # before the watcher exists: the one sync below covers it
-        self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds)
+        mounts: Callable[[], list[Mount]] = read_mounts if self._mounts is None else functools.partial(
+            list, self._mounts)
+        self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds, mounts)
         self._sync_roots()
+        # Roots are usually watched when start returns; a hung mount delays the start a bounded time only.
+        await self._settle_watches()
         self._background = [asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
                             asyncio.create_task(self._sweeps(), name="checkpoint-sweep")]
 
+    def _stored_announced_roots(self) -> list[tuple[str, float]]:
+        """Announced roots from the state store, most recent first, forgetting any that cannot be a root.
+
+        Versions before the check stored whatever agents sent (a NUL byte, `/`);
+        one such row made every start fail.
+        """
+        assert self._store is not None
+        kept: list[tuple[str, float]] = []
+        for root, last in self._store.announced_roots().items():
+            problem = _unusable(root) or ("is the filesystem root" if root == "/" else None)
+            if problem is None:
+                kept.append((root, last))
+                continue
+            self._store.remove_announced_root(root)
+            log.warning("forgot a stored announced checkpoint root that cannot be watched", root=repr(root),
+                        reason=problem)
+        return kept
+
     async def close(self) -> None:
+        self._closing = True
         for handle in self._debounce.values():
             handle.cancel()
-        tasks = [*self._background, *self._tasks]
+        tasks = [*self._background, *self._tasks, *self._ops.values(), *self._scans.values()]
+        if self._prune_task is not None:
+            tasks.append(self._prune_task)
         for task in tasks:
             task.cancel()
         # Cancelling a validation kills its worker; unrecorded, it runs again after a restart.
+        # A cancelled watch operation or scan goes on in its daemon thread; the watcher refuses it once stopped.
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._watcher is not None:
-            await asyncio.to_thread(self._watcher.stop)
+            await off_loop(self._watcher.stop, "torchpulse-watch-stop")
         if self._store is not None:
             self._store.close()
 
@@ -118,11 +168,14 @@ class CheckpointService:
         return roots
 
     def _sync_roots(self) -> None:
-        mounts = self._mounts if self._mounts is not None else read_mounts()
-        wanted = {path: choose_observer(path, observer, mounts) for path, observer in self._roots().items()}
-        assert self._watcher is not None
+        configured = self._roots()
+        # A fallback to polling stands until the config changes that root's observer (or drops the root):
+        # the inotify limit that caused it does not go away on SIGHUP or when another job announces.
+        self._fallbacks = {root: was for root, was in self._fallbacks.items() if configured.get(root) == was}
+        wanted = {root: "polling" if self._fallbacks.get(root) == observer else observer
+                  for root, observer in configured.items()}
         for root in set(self._wanted) - set(wanted):
-            self._watcher.unwatch(root)
+            self._watch_errors.pop(root, None)
             log.info("stopped watching a checkpoint root", root=root)
         self._wanted = wanted
         labels = {self._label(root) for root in wanted}
@@ -148,21 +201,85 @@ class CheckpointService:
             self._sync_roots()
 
     def _rewatch(self) -> None:
-        """Schedule every wanted root that is not watched (new, failed before, or deleted)."""
+        """Bring every root's watch in line with `_wanted` (new, failed, lost, dead or dropped roots)."""
         assert self._watcher is not None
-        watched = self._watcher.watched()
-        for root, kind in self._wanted.items():
-            if watched.get(root) == kind:
+        for root in sorted({*self._wanted, *self._watcher.scheduled()}):
+            self._reconcile(root)
+
+    async def _settle_watches(self) -> None:
+        """Wait for the watch operations in flight, and the re-runs they leave behind, SETTLE_SECONDS at most.
+
+        Only operations younger than that count: a root whose operation is
+        older (a hung mount) is neither waited for nor given a second one.
+        """
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            now = time.monotonic()
+            young = [task for root, task in self._ops.items()
+                     if not task.done() and now - self._op_started[root] < SETTLE_SECONDS]
+            if not young:
+                return
+            await asyncio.wait(young, timeout=left)
+
+    def _reconcile(self, root: str) -> None:
+        """Start the watch operation of `root`, unless one is in flight (it then runs once more after)."""
+        if self._closing:
+            return
+        if root in self._ops:
+            self._again.add(root)
+            return
+        task = asyncio.create_task(self._reconcile_root(root), name=f"watch {root}")
+        self._ops[root] = task
+        self._op_started[root] = time.monotonic()
+        task.add_done_callback(functools.partial(self._op_done, root))
+
+    def _op_done(self, root: str, task: asyncio.Task[None]) -> None:
+        self._ops.pop(root, None)
+        self._op_started.pop(root, None)
+        _log_crash(task, "checkpoint root watch operation crashed", root=root)
+        if root in self._again and not self._closing:
+            self._again.discard(root)
+            self._reconcile(root)
+
+    async def _reconcile_root(self, root: str) -> None:
+        assert self._watcher is not None
+        watcher = self._watcher
+        while True:
+            want = self._wanted.get(root)
+            if want is None:
+                if root not in watcher.scheduled():
+                    return
+                await off_loop(functools.partial(watcher.unwatch, root), f"torchpulse-unwatch {root}")
+                continue  # re-added meanwhile?
+            outcome = await off_loop(functools.partial(watcher.ensure, root, want), f"torchpulse-watch {root}")
+            if self._wanted.get(root) != want:
+                continue  # changed while it ran (SIGHUP, announcement): once more
+            if outcome.exhausted and want != "polling":
+                self._fall_back(root, outcome.error or "")
                 continue
-            error = self._watcher.watch(root, kind)
-            if error is None:
-                self._watch_errors.pop(root, None)
-                log.info("watching checkpoint root", root=root, observer=kind)
-            elif self._watch_errors.get(root) != error:
-                # Logged once per reason; the sweep retries quietly.
-                self._watch_errors[root] = error
-                log.warning("cannot watch checkpoint root; retrying at each sweep", root=root, observer=kind,
-                            error=error)
+            self._log_outcome(root, outcome)
+            return
+
+    def _log_outcome(self, root: str, outcome: Outcome) -> None:
+        if outcome.error is None:
+            self._watch_errors.pop(root, None)
+            if outcome.changed:
+                log.info("watching checkpoint root", root=root, observer=outcome.observer)
+        elif self._watch_errors.get(root) != outcome.error:
+            # Logged once per reason; the sweep retries quietly.
+            self._watch_errors[root] = outcome.error
+            log.warning("cannot watch checkpoint root; retrying at each sweep", root=root, observer=outcome.observer,
+                        error=outcome.error)
+
+    def _fall_back(self, root: str, error: str) -> None:
+        """inotify failed for `root` (most often out of watches): poll it, which needs none."""
+        configured = self._roots().get(root)
+        if configured is None or self._wanted.get(root) == "polling":
+            return
+        self._fallbacks[root] = configured
+        self._wanted[root] = "polling"
+        log.warning("inotify cannot watch this checkpoint root; polling it until the config changes its observer",
+                    root=root, error=error)
 
     def _root_of(self, path: str) -> str | None:
         best: str | None = None
@@ -180,20 +297,32 @@ class CheckpointService:
             self._commit(event.path)
             return
         assert self._watcher is not None
-        self._watcher.unwatch(event.root)
-        if event.kind == "backend_error" and self._wanted.get(event.root) == "inotify":
-            # Most often the inotify watch limit: polling needs no watches.
-            self._wanted[event.root] = "polling"
+        if event.kind == "backend_error" and self._watcher.kind_of(event.root) == "inotify":
+            # Most often the inotify watch limit (a deep tree's RecursionError too): polling needs no watches.
+            self._fall_back(event.root, event.detail)
         log.warning("checkpoint root watch lost; retrying at each sweep", root=event.root, reason=event.kind,
                     error=event.detail, now_using=self._wanted.get(event.root))
+        # The lost watch no longer counts as watched; its replacement is scheduled off the loop.
+        self._reconcile(event.root)
 
     def announce(self, run: str, rank: int, saved: CheckpointSaved) -> None:
-        """An agent saved a checkpoint; rank 0's announcement asks for its validation."""
+        """An agent saved a checkpoint; rank 0's announcement asks for its validation.
+
+        Never raises: the agent server calls this for whatever an agent sends.
+        """
+        try:
+            self._announce(run, saved)
+        except Exception:
+            log.exception("checkpoint announcement failed", run=run, rank=rank, path=repr(saved.path))
+
+    def _announce(self, run: str, saved: CheckpointSaved) -> None:
         if not saved.validate:
             return
-        path = os.path.normpath(saved.path)
-        if not Path(path).is_absolute():
-            log.info("announced checkpoint is not a local path; not validated", run=run, path=saved.path)
+        path = _normalize(saved.path)
+        problem = _unusable(path) or ("is the filesystem root" if path == "/" else None)
+        if problem is not None:
+            self._log_once(f"refused {path}", "announced checkpoint path refused; not validated", run=run,
+                           path=repr(saved.path), reason=problem)
             return
         assert self._store is not None
         root = self._root_of(path)
@@ -203,7 +332,13 @@ class CheckpointService:
         elif root is None:
             self._expire_announced()
             parent = str(Path(path).parent)
-            if len(self._announced) < self.config.max_announced_roots:
+            if parent == "/":
+                # Refused as a root: watching / recursively walks the whole machine (network mounts included)
+                # and, a prefix of every path, / would swallow every later announcement. The checkpoint is
+                # still validated (under root="other"); a later save there is announced, and validated, again.
+                self._log_once(f"top {path}", "checkpoint saved directly under /: validated, its parent not "
+                               "watched", run=run, path=path)
+            elif len(self._announced) < self.config.max_announced_roots:
                 self._announced[parent] = self._clock()
                 self._store.touch_announced_root(parent, self._announced[parent])
                 self._folded.discard(parent)
@@ -217,6 +352,8 @@ class CheckpointService:
 
     def _commit(self, path: str) -> None:
         """`.metadata` appeared in `path`: validate once things have been quiet for a moment."""
+        if not self._usable(path):
+            return
         handle = self._debounce.pop(path, None)
         if handle is not None:
             handle.cancel()
@@ -252,11 +389,32 @@ class CheckpointService:
         if not task.cancelled() and task.exception() is not None:
             log.error("checkpoint validation crashed", path=path, error=repr(task.exception()))
 
+    def _log_once(self, key: str, event: str, **fields: object) -> None:
+        if key in self._logged_once:
+            return
+        if len(self._logged_once) >= MAX_LOGGED_ONCE:
+            self._logged_once.clear()
+        self._logged_once.add(key)
+        log.warning(event, **fields)
+
+    def _usable(self, path: str) -> bool:
+        """Whether a path found on disk can be validated and recorded (a non-UTF-8 name cannot)."""
+        problem = _unusable(path)
+        if problem is not None:
+            self._log_once(f"unusable {path}", "checkpoint path cannot be recorded; not validated",
+                           path=repr(path), reason=problem)
+        return problem is None
+
+    def _known_key(self, path: str) -> str | None:
+        """The key `path` was last validated with, remembered in memory when the state store refused it."""
+        assert self._store is not None
+        return self._unsaved.get(path) or self._store.key_of(path)
+
     async def _validate(self, path: str) -> None:
-        found = await asyncio.to_thread(metadata_key, path)
+        found = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
         incomplete = found is None
         if found is None:
-            key, committed_at = await asyncio.to_thread(_incomplete_key, path)
+            key, committed_at = await off_loop(functools.partial(_incomplete_key, path), "torchpulse-stat")
             if key is None:
                 log.info("checkpoint vanished before validation", path=path)
                 return
@@ -265,16 +423,15 @@ class CheckpointService:
                 return
         else:
             key, committed_at = found
-        assert self._store is not None
-        if self._store.key_of(path) == key:
+        if self._known_key(path) == key:
             return
         root = self._root_of(path)
         level = Level.METADATA if incomplete else Level(self.config.level)
         started = time.monotonic()
         result = await checkpoint_runner.validate(path, level, self._limits())
         elapsed = time.monotonic() - started
-        after = await asyncio.to_thread(metadata_key, path)
-        if not incomplete and after is None and not await asyncio.to_thread(Path(path).exists):
+        after = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
+        if not incomplete and after is None and not await off_loop(Path(path).exists, "torchpulse-stat"):
             # Retention scripts delete old checkpoints all the time: not a finding, not an alert.
             log.info("checkpoint deleted during validation; result discarded", path=path, status=result.status.value)
             return
@@ -298,7 +455,10 @@ class CheckpointService:
                         bytes=int(stats.get("bytes", 0)), duration_seconds=round(elapsed, 6),
                         findings=dict(findings))
         assert self._store is not None
-        self._store.save(record)
+        if self._store.save(record):
+            self._unsaved.pop(path, None)
+        else:
+            self._unsaved[path] = key
         self.stats.record(record)
         level = "info" if result.status.value == "valid" else "warning"
         getattr(log, level)("checkpoint validated", path=path, root=record.root, status=record.status,
@@ -323,32 +483,88 @@ class CheckpointService:
     async def sweep(self) -> None:
         """Catch up on what events missed, report stale uncommitted saves, re-watch lost roots."""
         self._expire_announced()
+        # Watch, then scan: a checkpoint committed in between is seen by one or the other.
         self._rewatch()
-        assert self._store is not None
-        now = time.time()
-        for root in list(self._wanted):
-            result: Scan = await asyncio.to_thread(scan, root)
-            for ckpt in sorted(result.committed, key=lambda c: -c.committed_at):
-                if self._store.key_of(ckpt.path) != ckpt.key and ckpt.path not in self._debounce:
-                    self._enqueue(ckpt.path)
-            stale = [u for u in result.uncommitted if now - u.newest_write >= self.config.incomplete_after_seconds]
-            self.stats.root(self._label(root)).incomplete = len(stale)
-            for save in stale:
-                if self._store.key_of(save.path) != _incomplete_key_for(save.newest_write):
-                    self._enqueue(save.path)
-        if time.monotonic() - self._pruned_at >= PRUNE_INTERVAL:
+        await self._settle_watches()
+        started = [self._start_scan(root) for root in list(self._wanted)]
+        scans = [task for task in started if task is not None]
+        if scans:
+            # Scans left running go on; their roots are skipped until they end.
+            await asyncio.wait(scans, timeout=SETTLE_SECONDS)
+        prune_running = self._prune_task is not None and not self._prune_task.done()
+        if time.monotonic() - self._pruned_at >= PRUNE_INTERVAL and not prune_running:
             self._pruned_at = time.monotonic()
-            await self.prune()
+            # In the background: it stats every recorded path, and one of them may be on a hung mount.
+            self._prune_task = asyncio.create_task(self.prune(), name="checkpoint-prune")
+            self._prune_task.add_done_callback(functools.partial(_log_crash, message="checkpoint prune failed"))
+
+    def _start_scan(self, root: str) -> asyncio.Task[None] | None:
+        if root in self._scans:
+            return None  # the previous scan still runs (a hung mount): skipped, not waited for
+        task = asyncio.create_task(self._scan_root(root), name=f"scan {root}")
+        self._scans[root] = task
+        task.add_done_callback(functools.partial(self._scan_done, root))
+        return task
+
+    def _scan_done(self, root: str, task: asyncio.Task[None]) -> None:
+        self._scans.pop(root, None)
+        _log_crash(task, "checkpoint root scan failed", root=root)
+
+    async def _scan_root(self, root: str) -> None:
+        result: Scan = await off_loop(functools.partial(scan, root), f"torchpulse-scan {root}")
+        if root not in self._wanted:
+            return  # dropped while it ran: its series are gone and stay gone
+        for ckpt in sorted(result.committed, key=lambda c: -c.committed_at):
+            if self._usable(ckpt.path) and self._known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce:
+                self._enqueue(ckpt.path)
+        now = time.time()
+        stale = [u for u in result.uncommitted if now - u.newest_write >= self.config.incomplete_after_seconds]
+        self.stats.root(self._label(root)).incomplete = len(stale)
+        for save in stale:
+            if self._usable(save.path) and self._known_key(save.path) != _incomplete_key_for(save.newest_write):
+                self._enqueue(save.path)
 
     async def prune(self) -> None:
         """Forget the records of checkpoint directories deleted since (a job's retention policy)."""
         assert self._store is not None
         rows = self._store.prunable()
-        gone = await asyncio.to_thread(deleted, [path for path, _ in rows])
-        forgotten = [row for row, is_gone in zip(rows, gone, strict=True) if is_gone]
+        unsaved = list(self._unsaved)
+        paths = [path for path, _ in rows] + unsaved
+        gone = await off_loop(functools.partial(deleted, paths), "torchpulse-prune")
+        forgotten = [row for row, is_gone in zip(rows, gone[: len(rows)], strict=True) if is_gone]
         if forgotten:
             self._store.forget(forgotten)
             log.info("forgot the records of deleted checkpoints", count=len(forgotten))
+        for path, is_gone in zip(unsaved, gone[len(rows):], strict=True):
+            if is_gone:
+                self._unsaved.pop(path, None)
+
+
+def _log_crash(task: asyncio.Task[None], message: str, **fields: str) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error(message, error=repr(task.exception()), **fields)
+
+
+def _normalize(path: str) -> str:
+    path = os.path.normpath(path)
+    # POSIX normpath keeps a leading "//"; to the kernel it is "/".
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def _unusable(path: str) -> str | None:
+    """Why `path` cannot be a checkpoint directory or root here, or None when it can."""
+    if "\0" in path:
+        return "contains a NUL byte"
+    if not path.startswith("/"):
+        return "is not an absolute path"
+    try:
+        # SQLite and the metric labels take UTF-8 only; a lone surrogate (a non-UTF-8 name) cannot be stored.
+        size = len(path.encode())
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    if size > MAX_PATH_BYTES:
+        return "is too long"
+    return None
 
 
 def _incomplete_key_for(newest_write: float) -> str:
@@ -356,11 +572,12 @@ def _incomplete_key_for(newest_write: float) -> str:
 
 
 def _incomplete_key(path: str) -> tuple[str | None, float]:
-    """Key of a save that never committed: its newest data file's mtime."""
+    """Key of a save that never committed: its newest data file's mtime (as the sweep computes it)."""
     try:
-        mtimes = [entry.stat().st_mtime for entry in Path(path).iterdir() if entry.name.endswith(DATA_SUFFIXES)]
-    except OSError:
+        names = [entry.name for entry in Path(path).iterdir()]
+    except (OSError, ValueError):
         return None, 0.0
-    if not mtimes:
+    newest = newest_data_write(path, names)
+    if newest is None:
         return None, 0.0
-    return _incomplete_key_for(max(mtimes)), max(mtimes)
+    return _incomplete_key_for(newest), newest

@@ -103,7 +103,8 @@ class StateStore:
         row = self._db.execute("SELECT key FROM checkpoints WHERE path = ?", (path,)).fetchone()
         return str(row[0]) if row else None
 
-    def save(self, record: Record) -> None:
+    def save(self, record: Record) -> bool:
+        """Whether the record was written (a full or read-only disk refuses it)."""
         try:
             self._db.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -112,6 +113,8 @@ class StateStore:
             )
         except sqlite3.Error as exc:
             log.warning("cannot persist a checkpoint result", path=record.path, error=str(exc))
+            return False
+        return True
 
     def latest_per_root(self) -> list[Record]:
         """The most recent record of each root."""

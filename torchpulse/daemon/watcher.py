@@ -1,20 +1,30 @@
 """Filesystem observation of checkpoint roots: watchdog threads in, immutable events out.
 
-One inotify observer and one polling observer serve every root. Their threads
-never touch daemon state: each relevant change becomes a `WatchEvent` handed
-to the asyncio loop with `call_soon_threadsafe`. Backend failures (a root
-deleted, the inotify watch limit) become events too, never a dead thread.
+Each root has its own observer (a dispatcher thread and one emitter thread).
+watchdog's observer holds one lock while it schedules a watch (the first
+polling snapshot, the recursive inotify walk) and while it dispatches events,
+so with a shared observer one root on a hung mount would stall every other
+root. Their threads never touch daemon state: each relevant change becomes a
+`WatchEvent` handed to the asyncio loop with `call_soon_threadsafe`. Backend
+failures (a root deleted, the inotify watch limit, a tree too deep to walk)
+become events too, never a dead thread.
+
+`ensure`, `unwatch` and `stop` block (they walk and join); the service runs
+them off the loop, one at a time per root. `watched` is cheap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 import structlog
 from watchdog.events import (
@@ -24,14 +34,21 @@ from watchdog.events import (
     FileSystemEvent,
     FileSystemEventHandler,
 )
-from watchdog.observers.api import BaseObserver, ObservedWatch
+from watchdog.observers.api import BaseObserver, EventEmitter
 from watchdog.observers.inotify import InotifyEmitter
 from watchdog.observers.polling import PollingEmitter
+
+from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
 
 log = structlog.get_logger("torchpulse.daemon.watcher")
 EventKind = Literal["commit", "root_deleted", "backend_error"]
 # Blocking read timeout of the inotify threads; bounds how long stop() waits.
 INOTIFY_TIMEOUT: Final = 0.5
+# How long stopping observers waits for their threads. One stuck in a poll of a
+# hung mount is left behind (a daemon thread); it exits when the mount answers.
+JOIN_TIMEOUT: Final = 2.0
+# inotify_add_watch's watch limit and inotify_init's instance limit: polling needs neither.
+_INOTIFY_LIMITS: Final = frozenset({errno.ENOSPC, errno.EMFILE})
 
 
 def is_metadata_name(name: str) -> bool:
@@ -56,12 +73,24 @@ class BackendError(FileSystemEvent):
     error: str = ""
 
 
+def describe(exc: BaseException) -> str:
+    """A short reason for a log line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _exhausts_inotify(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _INOTIFY_LIMITS
+
+
 class _SafeInotifyEmitter(InotifyEmitter):
     def queue_events(self, timeout: float, *, full_events: bool = False) -> None:
         try:
             super().queue_events(timeout, full_events=full_events)
-        except OSError as exc:  # ENOSPC while adding a watch for a new subdirectory
-            self.queue_event(BackendError(self.watch.path, error=f"{exc.strerror or exc}"))
+        # ENOSPC adding a watch for a new subdirectory; RecursionError walking a very deep new one.
+        except Exception as exc:
+            self.queue_event(BackendError(self.watch.path, error=describe(exc)))
             self.stop()
 
 
@@ -69,20 +98,32 @@ class _SafePollingEmitter(PollingEmitter):
     def queue_events(self, timeout: float) -> None:
         try:
             super().queue_events(timeout)
-        except OSError as exc:
-            self.queue_event(BackendError(self.watch.path, error=f"{exc.strerror or exc}"))
+        except Exception as exc:  # RecursionError: a snapshot of a tree ~1000 levels deep
+            self.queue_event(BackendError(self.watch.path, error=describe(exc)))
             self.stop()
+
+
+class _RootObserver(BaseObserver):
+    def on_thread_stop(self) -> None:
+        # watchdog's own stop joins the emitters without a timeout, under the
+        # lock its dispatcher needs: an emitter stuck on a hung mount would hold
+        # the stopping thread forever. Signal them; `_stop_all` joins, bounded.
+        for emitter in list(self.emitters):
+            emitter.stop()
 
 
 class _Handler(FileSystemEventHandler):
     """Runs on a watchdog thread: classify, then hand over to the loop."""
 
-    def __init__(self, root: str, send: Callable[[WatchEvent], None]) -> None:
+    def __init__(self, root: str, send: Callable[[WatchEvent], None], lost: threading.Event) -> None:
         self.root = root
         self.send = send
+        # Set before the service hears of the loss, so that `watched()` never reports this watch again.
+        self.lost = lost
 
     def dispatch(self, event: FileSystemEvent) -> None:
         if isinstance(event, BackendError):
+            self.lost.set()
             self.send(WatchEvent("backend_error", self.root, self.root, event.error))
         elif isinstance(event, FileMovedEvent) and is_metadata_name(PurePath(str(event.dest_path)).name):
             # `.metadata.tmp` renamed to `.metadata`: the save committed.
@@ -90,81 +131,140 @@ class _Handler(FileSystemEventHandler):
         elif isinstance(event, FileCreatedEvent) and is_metadata_name(PurePath(str(event.src_path)).name):
             self.send(WatchEvent("commit", self.root, str(PurePath(str(event.src_path)).parent)))
         elif isinstance(event, DirDeletedEvent) and os.path.normpath(str(event.src_path)) == self.root:
+            self.lost.set()
             self.send(WatchEvent("root_deleted", self.root, self.root))
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What `Watcher.ensure` did for a root."""
+
+    observer: str  # the one it runs (or tried): "inotify" or "polling"
+    error: str | None = None
+    exhausted: bool = False  # inotify's watch or instance limit: polling needs neither
+    changed: bool = False  # newly scheduled, not already watched that way
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    kind: str
+    interval: float
+    observer: BaseObserver
+    lost: threading.Event
+
+    def live(self, poll_interval: float) -> bool:
+        """Running and current: a dead emitter thread, a lost root or an old poll interval is not."""
+        if self.lost.is_set() or not self.observer.is_alive():
+            return False
+        if self.kind == "polling" and self.interval != poll_interval:
+            return False
+        emitters: list[EventEmitter] = list(self.observer.emitters)
+        return bool(emitters) and all(emitter.is_alive() for emitter in emitters)
 
 
 class Watcher:
     """Schedules roots on the right observer and forwards their events to `deliver` on `loop`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[WatchEvent], None],
-                 poll_interval: float) -> None:
+                 poll_interval: float, mounts: Callable[[], list[Mount]] = read_mounts) -> None:
         self._loop = loop
         self._deliver = deliver
         self._poll_interval = poll_interval
-        self._observers: dict[str, BaseObserver] = {}
-        self._watches: dict[str, tuple[str, ObservedWatch]] = {}
+        self._mounts = mounts
+        # Changed from the threads that schedule roots, read on the loop.
+        self._lock = threading.Lock()
+        self._watches: dict[str, _Entry] = {}
+        self._stopped = False
 
     def _send(self, event: WatchEvent) -> None:
         # From a watchdog thread; the loop may already be closed at shutdown.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._deliver, event)
 
-    def _observer(self, kind: str) -> BaseObserver:
-        observer = self._observers.get(kind)
-        if observer is None:
-            if kind == "polling":
-                observer = BaseObserver(_SafePollingEmitter, timeout=self._poll_interval)
-            else:
-                observer = BaseObserver(_SafeInotifyEmitter, timeout=INOTIFY_TIMEOUT)
-            observer.name = f"torchpulse-watch-{kind}"
-            observer.daemon = True
-            observer.start()
-            self._observers[kind] = observer
-        return observer
-
     def watched(self) -> dict[str, str]:
-        """Root -> observer kind, for what is scheduled right now."""
-        return {root: kind for root, (kind, _) in self._watches.items()}
+        """Root -> observer kind, for the roots whose watch is running and current right now."""
+        with self._lock:
+            entries = list(self._watches.items())
+        return {root: entry.kind for root, entry in entries if entry.live(self._poll_interval)}
 
-    def watch(self, root: str, kind: str) -> str | None:
-        """Start watching `root` recursively; None on success, else why it failed."""
-        self.unwatch(root)
+    def kind_of(self, root: str) -> str | None:
+        """The observer kind of `root`'s watch, running or not."""
+        with self._lock:
+            entry = self._watches.get(root)
+        return None if entry is None else entry.kind
+
+    def scheduled(self) -> set[str]:
+        """Every root with a watch, running or not (what `unwatch` has to clean up)."""
+        with self._lock:
+            return set(self._watches)
+
+    def ensure(self, root: str, observer: str) -> Outcome:
+        """Blocking: watch `root` recursively with `observer` unless it is watched that way already.
+
+        "auto" picks by the mount table, with symlinks resolved: a root that
+        links into an NFS mount needs polling however its own path reads.
+        """
+        kind = observer
         try:
-            watch = self._observer(kind).schedule(_Handler(root, self._send), root, recursive=True)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        self._watches[root] = (kind, watch)
-        return None
+            kind = choose_observer(os.path.realpath(root), observer, self._mounts())
+            with self._lock:
+                entry = self._watches.get(root)
+            if entry is not None and entry.kind == kind and entry.live(self._poll_interval):
+                return Outcome(kind)
+            self.unwatch(root)
+            self._schedule(root, kind)
+        # Anything: OSError, ValueError (a NUL byte), RecursionError (a tree too deep to walk)...
+        except Exception as exc:
+            return Outcome(kind, error=describe(exc), exhausted=kind == "inotify" and _exhausts_inotify(exc))
+        return Outcome(kind, changed=True)
+
+    def _schedule(self, root: str, kind: str) -> None:
+        interval = self._poll_interval
+        if kind == "polling":
+            observer = _RootObserver(_SafePollingEmitter, timeout=interval)
+        else:
+            observer = _RootObserver(_SafeInotifyEmitter, timeout=INOTIFY_TIMEOUT)
+        observer.name = f"torchpulse-watch-{kind}"
+        lost = threading.Event()
+        observer.schedule(_Handler(root, self._send, lost), root, recursive=True)
+        try:
+            observer.start()  # the first snapshot or the recursive inotify walk happens here
+        except BaseException:
+            _stop_all([observer])
+            raise
+        with self._lock:
+            if not self._stopped:
+                self._watches[root] = _Entry(kind, interval, observer, lost)
+                return
+        _stop_all([observer])  # scheduled while the daemon was stopping
+        raise RuntimeError("the watcher is stopped")
 
     def unwatch(self, root: str) -> None:
-        entry = self._watches.pop(root, None)
+        """Blocking (boundedly): stop watching `root`."""
+        with self._lock:
+            entry = self._watches.pop(root, None)
         if entry is not None:
-            kind, watch = entry
-            with contextlib.suppress(KeyError, OSError):
-                self._observers[kind].unschedule(watch)
+            _stop_all([entry.observer])
 
     def set_poll_interval(self, seconds: float) -> None:
-        """Polling roots move to a new polling observer with the new interval."""
-        if seconds == self._poll_interval:
-            return
+        """Polled roots then count as not watched, and the service schedules them again (off the loop)."""
         self._poll_interval = seconds
-        polled = [root for root, (kind, _) in self._watches.items() if kind == "polling"]
-        for root in polled:
-            self.unwatch(root)
-        old = self._observers.pop("polling", None)
-        if old is not None:
-            _stop(old)
-        for root in polled:
-            self.watch(root, "polling")
 
     def stop(self) -> None:
-        self._watches.clear()
-        observers, self._observers = list(self._observers.values()), {}
-        for observer in observers:
-            _stop(observer)
+        with self._lock:
+            self._stopped = True
+            observers = [entry.observer for entry in self._watches.values()]
+            self._watches.clear()
+        _stop_all(observers)
 
 
-def _stop(observer: Any) -> None:
-    observer.unschedule_all()
-    observer.stop()
-    observer.join(timeout=5)
+def _stop_all(observers: list[BaseObserver], timeout: float = JOIN_TIMEOUT) -> None:
+    """Stop observers and their emitters, waiting at most `timeout` for all of them together."""
+    for observer in observers:
+        observer.stop()
+    deadline = time.monotonic() + timeout
+    for observer in observers:
+        for thread in [*observer.emitters, observer]:
+            # RuntimeError: never started (its first snapshot failed).
+            with contextlib.suppress(RuntimeError):
+                thread.join(max(0.0, deadline - time.monotonic()))

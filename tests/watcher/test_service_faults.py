@@ -1,0 +1,426 @@
+"""The checkpoint service under faults: hostile paths, deep trees, hung mounts, a full disk, inotify limits."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.watcher.test_service import FakeWorker, _run, _until
+from torchpulse.daemon import checkpoint_runner, checkpoint_service, watcher
+from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoint_mounts import Mount
+from torchpulse.daemon.checkpoint_scan import deleted, metadata_key, scan
+from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoint_state import StateStore
+from torchpulse.daemon.watcher import Watcher, WatchEvent
+from torchpulse.protocol import CheckpointSaved
+
+# Deeper than watchdog's recursive walks go (the recursion limit, in a fresh thread).
+TOO_DEEP = 1000
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
+    fake = FakeWorker(seconds=0.01)
+    monkeypatch.setattr(checkpoint_runner, "validate", fake)
+    return fake
+
+
+def _events(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    return [entry for entry in logs if str(entry["event"]).startswith(prefix)]
+
+
+def _saved(path: str) -> CheckpointSaved:
+    return CheckpointSaved(path, "save", 1.0, True)
+
+
+def _tiny_checkpoint(path: Path) -> None:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+
+
+def _deep_tree(parent: Path, depth: int = TOO_DEEP) -> None:
+    """parent/d/d/.../d, made with directory descriptors (the path outgrows PATH_MAX)."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+
+
+def _remove_deep_tree(parent: Path, depth: int = TOO_DEEP) -> None:
+    """shutil.rmtree recurses too (pytest's clean-up would fail): remove from the bottom up with descriptors."""
+    if not (parent / "d").exists():
+        return
+    fds = [os.open(parent, os.O_RDONLY)]
+    try:
+        for _ in range(depth - 1):
+            fds.append(os.open("d", os.O_RDONLY, dir_fd=fds[-1]))
+        while fds:
+            fd = fds.pop()
+            os.rmdir("d", dir_fd=fd)
+            os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# -- 1: hostile announced paths -------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["/ckpt/job\x00x/step-1", "/ckpt/job\ud800/step-1", "relative/step-1", "/"])
+def test_an_unusable_announced_path_is_refused_once_and_never_stored(
+        tmp_path: Path, worker: FakeWorker, bad: str) -> None:
+    """A NUL byte, a lone surrogate, a relative path, `/`: logged once, no exception, no root, sweeps work."""
+    good = tmp_path / "job" / "step-1"
+    _tiny_checkpoint(good)
+    config = CheckpointsConfig(debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        service.announce("bad", 0, _saved(bad))
+        service.announce("bad", 0, _saved(bad))
+        service.announce("good", 0, _saved(str(good)))
+        await service.sweep()
+        await _until(lambda: len(worker.calls) == 1)
+        assert [str(good.parent)] == service.roots()
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert [repr(bad)] == [entry["path"] for entry in _events(logs, "announced checkpoint path refused")]
+    assert [] == _events(logs, "checkpoint sweep failed")
+    store = StateStore(tmp_path / "state")
+    assert [str(good.parent)] == list(store.announced_roots())
+    store.close()
+
+
+def test_an_exception_in_announce_never_reaches_the_agent_server(
+        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body(service: CheckpointService) -> None:
+        def broken(path: str) -> str | None:
+            raise RuntimeError("bug")
+
+        monkeypatch.setattr(service, "_root_of", broken)
+        service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
+
+    with capture_logs() as logs:
+        _run(tmp_path, CheckpointsConfig(), body)
+    assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoint announcement failed")]
+
+
+def test_unusable_announced_roots_stored_by_older_versions_are_forgotten_at_start(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """A NUL byte or `/` in the announced_roots table made every start raise; now they are dropped for good."""
+    (tmp_path / "state").mkdir()
+    good = tmp_path / "job"
+    good.mkdir()
+    store = StateStore(tmp_path / "state")
+    now = time.time()
+    for root in ("/ckpt/job\x00x", "/", str(good)):
+        store.touch_announced_root(root, now)
+    store.close()
+
+    async def body(service: CheckpointService) -> None:
+        assert [str(good)] == service.roots()
+        await service.sweep()
+
+    _run(tmp_path, CheckpointsConfig(), body)
+    store = StateStore(tmp_path / "state")
+    assert [str(good)] == list(store.announced_roots())
+    store.close()
+
+
+def test_scans_and_watches_of_a_path_with_a_nul_byte_fail_softly(tmp_path: Path) -> None:
+    bad = str(tmp_path / "a\x00b")
+    assert ([], [], None, [True]) == (scan(bad).committed, scan(bad).uncommitted, metadata_key(bad), deleted([bad]))
+    loop = asyncio.new_event_loop()
+    try:
+        outcome = Watcher(loop, lambda event: None, 1.0).ensure(bad, "polling")
+    finally:
+        loop.close()
+    assert outcome.error is not None and "null" in outcome.error
+
+
+# -- 2: trees too deep to walk, dead emitter threads -------------------------------------------------
+def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Path, worker: FakeWorker) -> None:
+    """RecursionError in watchdog's first walk: start works, the error is logged once, a later sweep watches."""
+    root = tmp_path / "root"
+    (root / "deep").mkdir(parents=True)
+    _deep_tree(root / "deep")
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1,
+                               debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        assert {} == service._watcher.watched()
+        await service.sweep()
+        (root / "deep").rename(tmp_path / "deep")
+        await service.sweep()
+        assert {str(root): "polling"} == service._watcher.watched()
+
+    try:
+        with capture_logs() as logs:
+            _run(tmp_path, config, body)
+    finally:
+        _remove_deep_tree(tmp_path / "deep")
+        _remove_deep_tree(root / "deep")
+    errors = [entry["error"] for entry in _events(logs, "cannot watch checkpoint root")]
+    assert 1 == len(errors) and "RecursionError" in errors[0]
+
+
+def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """The polling thread's RecursionError loses the watch (not a silently dead thread); it comes back."""
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1,
+                               debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        (root / "deep").mkdir()
+        _deep_tree(root / "deep")
+        await _until(lambda: service._watcher is not None and {} == service._watcher.watched())
+        (root / "deep").rename(tmp_path / "deep")
+        await service.sweep()
+        assert {str(root): "polling"} == service._watcher.watched()
+        _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
+        await _until(lambda: len(worker.calls) == 1)
+
+    try:
+        with capture_logs() as logs:
+            _run(tmp_path, config, body)
+    finally:
+        _remove_deep_tree(tmp_path / "deep")
+        _remove_deep_tree(root / "deep")
+    assert ["backend_error"] == [entry["reason"] for entry in _events(logs, "checkpoint root watch lost")]
+
+
+def test_a_root_whose_emitter_thread_died_is_not_reported_watched(tmp_path: Path) -> None:
+    async def main() -> None:
+        watch = Watcher(asyncio.get_running_loop(), lambda event: None, 0.1)
+        try:
+            assert watch.ensure(str(tmp_path), "polling").changed
+            [emitter] = next(iter(watch._watches.values())).observer.emitters
+            emitter.stop()  # as if its thread had died
+            emitter.join(5)
+            assert {} == watch.watched()
+            assert watch.ensure(str(tmp_path), "polling").changed
+            assert {str(tmp_path): "polling"} == watch.watched()
+        finally:
+            watch.stop()
+
+    asyncio.run(main())
+
+
+# -- 3: a checkpoint saved directly under / --------------------------------------------------------------
+def test_a_checkpoint_directly_under_the_filesystem_root_never_makes_it_a_root(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """`/ckpt` is validated (attempted: it does not exist here) without watching `/`; other jobs keep their roots."""
+    top = "/torchpulse-test-no-such-checkpoint"
+    job = tmp_path / "jobB" / "step-1"
+    _tiny_checkpoint(job)
+
+    async def body(service: CheckpointService) -> None:
+        service.announce("a", 0, _saved(top))
+        service.announce("b", 0, _saved(str(job)))
+        await _until(lambda: service.stats.root(str(job.parent)).validations["valid"] == 1)
+        assert [str(job.parent)] == service.roots()
+
+    with capture_logs() as logs:
+        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+    assert [top] == [entry["path"] for entry in _events(logs, "checkpoint vanished before validation")]
+    assert [top] == [entry["path"] for entry in _events(logs, "checkpoint saved directly under /")]
+
+
+# -- 4: a hung mount blocks neither the loop nor the other roots ------------------------------------------
+def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
+        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first snapshot and the scan of one root never return: start, SIGHUP, announcements and sweeps go on."""
+    hung, good = tmp_path / "hung", tmp_path / "good"
+    hung.mkdir()
+    good.mkdir()
+    release = threading.Event()
+    monkeypatch.setattr(checkpoint_service, "SETTLE_SECONDS", 0.3, raising=False)
+    snapshot = watcher._SafePollingEmitter.on_thread_start
+    real_scan = checkpoint_service.scan
+
+    def hanging_snapshot(self: watcher._SafePollingEmitter) -> None:
+        if self.watch.path == str(hung):
+            release.wait(30)
+        snapshot(self)
+
+    def hanging_scan(root: str) -> Any:
+        if root == str(hung):
+            release.wait(30)
+        return real_scan(root)
+
+    monkeypatch.setattr(watcher._SafePollingEmitter, "on_thread_start", hanging_snapshot)
+    monkeypatch.setattr(checkpoint_service, "scan", hanging_scan)
+    config = CheckpointsConfig(roots=(RootConfig(str(hung), "polling"), RootConfig(str(good), "polling")),
+                               poll_interval_seconds=0.1, debounce_seconds=0.0)
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - before)
+
+    async def main() -> None:
+        (tmp_path / "state").mkdir()
+        service = CheckpointService(config, tmp_path / "state")
+        beat = asyncio.create_task(heartbeat())
+        try:
+            await asyncio.wait_for(service.start(), 5)
+            assert service._watcher is not None
+            assert {str(good): "polling"} == service._watcher.watched()
+            service.apply_config(CheckpointsConfig(roots=config.roots, poll_interval_seconds=0.2,
+                                                   debounce_seconds=0.0))
+            _tiny_checkpoint(tmp_path / "job" / "step-1")
+            service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
+            _tiny_checkpoint(good / "step-1")
+            for _ in range(3):
+                await asyncio.wait_for(service.sweep(), 5)
+            await _until(lambda: len(worker.calls) == 2)
+            assert {str(good): "polling", str(tmp_path / "job"): "inotify"} == service._watcher.watched()
+            started = time.monotonic()
+            await service.sweep()  # the hung root's operations are old now: not waited for again
+            assert time.monotonic() - started < 0.25
+        finally:
+            release.set()
+            beat.cancel()
+            await service.close()
+
+    asyncio.run(main())
+    assert max(gaps) < 0.5
+
+
+# -- 5: a state store that cannot be written -------------------------------------------------------------
+def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    root = tmp_path / "root"
+    for step in range(3):
+        _tiny_checkpoint(root / f"step-{step}")
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._store is not None
+        service._store._db.execute("PRAGMA query_only=ON")  # a full or read-only state filesystem
+        await _until(lambda: len(worker.calls) == 3)
+        for _ in range(3):
+            await service.sweep()
+        await asyncio.sleep(0.1)
+
+    _run(tmp_path, config, body)
+    assert 3 == len(worker.calls)
+
+
+# -- 6: the inotify -> polling fallback is sticky and happens at the first watch too -----------------------
+def test_a_fallback_to_polling_survives_sighup_until_the_root_observer_changes(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)  # auto: inotify here
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        assert {str(root): "inotify"} == service._watcher.watched()
+        service._on_watch_event(WatchEvent("backend_error", str(root), str(root), "inotify watch limit reached"))
+        await service.sweep()
+        assert {str(root): "polling"} == service._watcher.watched()
+        service.apply_config(config)  # SIGHUP, nothing changed
+        service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))  # a new announced root
+        await service.sweep()
+        assert "polling" == service._watcher.watched()[str(root)]
+        service.apply_config(CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0))
+        await service.sweep()
+        assert "inotify" == service._watcher.watched()[str(root)]
+
+    _run(tmp_path, config, body)
+
+
+def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
+        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+
+    def out_of_watches(self: Any) -> None:
+        raise OSError(errno.ENOSPC, "inotify watch limit reached")
+
+    monkeypatch.setattr(watcher._SafeInotifyEmitter, "on_thread_start", out_of_watches)
+    config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        assert {str(root): "polling"} == service._watcher.watched()
+        _tiny_checkpoint(root / "step-1")
+        await _until(lambda: len(worker.calls) == 1)
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert [] == _events(logs, "cannot watch checkpoint root")
+    assert [str(root)] == [entry["root"] for entry in _events(logs, "inotify cannot watch")]
+
+
+# -- 7: a symlinked root into a network mount ---------------------------------------------------------------
+def test_a_symlinked_root_into_an_nfs_mount_is_polled(tmp_path: Path, worker: FakeWorker) -> None:
+    target = tmp_path / "nfs" / "ckpt"
+    target.mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    mounts = [Mount("/", "ext4"), Mount(os.path.realpath(tmp_path / "nfs"), "nfs4")]
+    config = CheckpointsConfig(roots=(RootConfig(str(link)),))
+    (tmp_path / "state").mkdir()
+
+    async def main() -> None:
+        service = CheckpointService(config, tmp_path / "state", mounts=mounts)
+        await service.start()
+        try:
+            assert service._watcher is not None
+            assert {str(link): "polling"} == service._watcher.watched()
+            assert [str(link)] == service.roots()  # the label stays the configured path
+        finally:
+            await service.close()
+
+    asyncio.run(main())
+
+
+# -- minor: dangling shard symlinks and directories named like shards -------------------------------------------
+def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_each_sweep(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    root = tmp_path / "root"
+    with_dir, with_link, only_link = root / "stepA", root / "stepB", root / "stepC"
+    for step in (with_dir, with_link, only_link):
+        step.mkdir(parents=True)
+    old = time.time() - 100
+    for step in (with_dir, with_link):
+        (step / "__0_0.distcp").touch()
+        os.utime(step / "__0_0.distcp", (old, old))
+    (with_dir / "sub.distcp").mkdir()
+    os.utime(with_dir / "sub.distcp", (old + 10, old + 10))
+    (with_link / "__1_0.distcp").symlink_to("/nonexistent")
+    (only_link / "__0_0.distcp").symlink_to("/nonexistent")
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0,
+                               debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await _until(lambda: len(worker.calls) == 2)
+        for _ in range(3):
+            await service.sweep()
+            await asyncio.sleep(0.05)
+        assert 2 == service.stats.root(str(root)).incomplete
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert sorted([str(with_dir), str(with_link)]) == sorted(worker.calls)
+    assert [] == _events(logs, "checkpoint vanished")
