@@ -151,6 +151,16 @@ def test_scans_and_watches_of_a_path_with_a_nul_byte_fail_softly(tmp_path: Path)
 
 
 # -- 2: trees too deep to walk, dead emitter threads -------------------------------------------------
+async def _swept_until_watched(service: CheckpointService, root: str, timeout: float = 60.0) -> None:
+    """Sweeps (each re-watches lost roots) until `root` is polled again; a sweep waits for a watch
+    operation only for a while, so one sweep may not be enough on a loaded machine."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while service._watcher is None or service._watcher.watched() != {root: "polling"}:
+        assert asyncio.get_running_loop().time() < deadline, service._watcher and service._watcher.watched()
+        await service.sweep()
+        await asyncio.sleep(0.1)
+
+
 def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Path, worker: FakeWorker) -> None:
     """RecursionError in watchdog's first walk: start works, the error is logged once, a later sweep watches."""
     root = tmp_path / "root"
@@ -164,8 +174,7 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
         assert {} == service._watcher.watched()
         await service.sweep()
         (root / "deep").rename(tmp_path / "deep")
-        await service.sweep()
-        assert {str(root): "polling"} == service._watcher.watched()
+        await _swept_until_watched(service, str(root))
 
     try:
         with capture_logs() as logs:
@@ -189,10 +198,10 @@ def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
         assert service._watcher is not None
         (root / "deep").mkdir()
         _deep_tree(root / "deep")
-        await _until(lambda: service._watcher is not None and {} == service._watcher.watched())
+        # Walking 1000 levels takes seconds on a loaded machine (the whole suite on 2 cores).
+        await _until(lambda: service._watcher is not None and {} == service._watcher.watched(), timeout=60)
         (root / "deep").rename(tmp_path / "deep")
-        await service.sweep()
-        assert {str(root): "polling"} == service._watcher.watched()
+        await _swept_until_watched(service, str(root))
         _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
         await _until(lambda: len(worker.calls) == 1)
 
