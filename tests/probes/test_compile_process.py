@@ -83,7 +83,8 @@ def test_recompiles_reach_the_daemon(daemon: DaemonProcess, tmp_path: Path) -> N
     assert [1.0] == list(select(samples, "torchpulse_recompiles_total", run="compile-e2e",
                                 function=function, reason="tensor_size").values())
     assert [1.0] == list(select(samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e",
-                                function=function).values())
+                                function=function).values()), select(
+        samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e")  # seen once under load: which labels?
     assert 1.0 == sum(select(samples, "torchpulse_graph_breaks_total", run="compile-e2e").values())
     # f twice, g, and the resume function after its graph break.
     assert [4.0] == list(select(samples, "torchpulse_compile_frames_total", run="compile-e2e",

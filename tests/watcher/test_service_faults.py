@@ -171,7 +171,8 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
 
     async def body(service: CheckpointService) -> None:
         assert service._watcher is not None
-        assert {} == service._watcher.watched()
+        # The polling emitter walks in its own thread: the watch is lost once that walk fails.
+        await _until(lambda: service._watcher is not None and {} == service._watcher.watched(), timeout=60)
         await service.sweep()
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
@@ -203,7 +204,7 @@ def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
         _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
-        await _until(lambda: len(worker.calls) == 1)
+        await _until(lambda: len(worker.calls) == 1, timeout=60)
 
     try:
         with capture_logs() as logs:
