@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,16 @@ def _saved(path: str) -> CheckpointSaved:
 def _tiny_checkpoint(path: Path) -> None:
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"x")
+
+
+@pytest.fixture
+def default_recursion_limit() -> Iterator[None]:
+    """The trees below are too deep for Python's default limit of 1000; another test in the same
+    process (a dependency) may have raised it, and then the walks succeed."""
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    yield
+    sys.setrecursionlimit(saved)
 
 
 def _deep_tree(parent: Path, depth: int = TOO_DEEP) -> None:
@@ -161,6 +173,7 @@ async def _swept_until_watched(service: CheckpointService, root: str, timeout: f
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.usefixtures("default_recursion_limit")
 def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Path, worker: FakeWorker) -> None:
     """RecursionError in watchdog's first walk: start works, the error is logged once, a later sweep watches."""
     root = tmp_path / "root"
@@ -187,6 +200,7 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
     assert 1 == len(errors) and "RecursionError" in errors[0]
 
 
+@pytest.mark.usefixtures("default_recursion_limit")
 def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
         tmp_path: Path, worker: FakeWorker) -> None:
     """The polling thread's RecursionError loses the watch (not a silently dead thread); it comes back."""
