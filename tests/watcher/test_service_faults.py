@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,18 @@ def test_scans_and_watches_of_a_path_with_a_nul_byte_fail_softly(tmp_path: Path)
 
 
 # -- 2: trees too deep to walk, dead emitter threads -------------------------------------------------
+def _run_removing_deep_trees(tmp_path: Path, root: Path, config: CheckpointsConfig,
+                             body: Callable[[CheckpointService], Awaitable[None]]) -> list[dict[str, Any]]:
+    """Run the service with captured logs; the deep tree goes, wherever the body left it."""
+    try:
+        with capture_logs() as logs:
+            _run(tmp_path, config, body)
+    finally:
+        _remove_deep_tree(tmp_path / "deep")
+        _remove_deep_tree(root / "deep")
+    return logs
+
+
 async def _swept_until_watched(service: CheckpointService, root: str, timeout: float = 60.0) -> None:
     """Sweeps (each re-watches lost roots) until `root` is polled again; a sweep waits for a watch
     operation only for a while, so one sweep may not be enough on a loaded machine."""
@@ -190,12 +202,7 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
 
-    try:
-        with capture_logs() as logs:
-            _run(tmp_path, config, body)
-    finally:
-        _remove_deep_tree(tmp_path / "deep")
-        _remove_deep_tree(root / "deep")
+    logs = _run_removing_deep_trees(tmp_path, root, config, body)
     errors = [entry["error"] for entry in _events(logs, "cannot watch checkpoint root")]
     assert 1 == len(errors) and "RecursionError" in errors[0]
 
@@ -220,12 +227,7 @@ def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
         _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
         await _until(lambda: len(worker.calls) == 1, timeout=60)
 
-    try:
-        with capture_logs() as logs:
-            _run(tmp_path, config, body)
-    finally:
-        _remove_deep_tree(tmp_path / "deep")
-        _remove_deep_tree(root / "deep")
+    logs = _run_removing_deep_trees(tmp_path, root, config, body)
     assert ["backend_error"] == [entry["reason"] for entry in _events(logs, "checkpoint root watch lost")]
 
 

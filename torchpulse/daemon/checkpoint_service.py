@@ -115,7 +115,7 @@ class CheckpointService:
         assert self._store is not None
         kept: list[tuple[str, float]] = []
         for root, last in self._store.announced_roots().items():
-            problem = _unusable(root) or ("is the filesystem root" if root == "/" else None)
+            problem = _unusable_root(root)
             if problem is None:
                 kept.append((root, last))
                 continue
@@ -319,7 +319,7 @@ class CheckpointService:
         if not saved.validate:
             return
         path = _normalize(saved.path)
-        problem = _unusable(path) or ("is the filesystem root" if path == "/" else None)
+        problem = _unusable_root(path)
         if problem is not None:
             self._log_once(f"refused {path}", "announced checkpoint path refused; not validated", run=run,
                            path=repr(saved.path), reason=problem)
@@ -386,8 +386,7 @@ class CheckpointService:
         self._tasks.discard(task)
         self._in_flight.discard(path)
         self._slot_free.set()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("checkpoint validation crashed", path=path, error=repr(task.exception()))
+        _log_crash(task, "checkpoint validation crashed", path=path)
 
     def _log_once(self, key: str, event: str, **fields: object) -> None:
         if key in self._logged_once:
@@ -565,6 +564,11 @@ def _unusable(path: str) -> str | None:
     if size > MAX_PATH_BYTES:
         return "is too long"
     return None
+
+
+def _unusable_root(path: str) -> str | None:
+    """Why an announced path cannot be taken (nor its parent made a root), or None when it can."""
+    return _unusable(path) or ("is the filesystem root" if path == "/" else None)
 
 
 def _incomplete_key_for(newest_write: float) -> str:
