@@ -194,3 +194,27 @@ def test_dynamo_reset_mid_job_keeps_the_probe_working(scenario: Scenario) -> Non
     finally:
         agent.shutdown()
     assert callback not in tf.callback_handler().start_callbacks
+
+
+def detach_fn(x: torch.Tensor) -> torch.Tensor:
+    return x + 2
+
+
+def test_records_queued_before_detach_keep_their_labels(scenario: Scenario) -> None:
+    """The sender folds the last records in after detach: a limit hit still names its function.
+
+    (It was labelled "? (?:?)" when detach had dropped the frame names first.)
+    """
+    agent: Any = local_agent(("compile",))
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            compiled = torch.compile(detach_fn, dynamic=False, backend="eager")
+            compiled(torch.randn(1))
+            compiled(torch.randn(2))  # a recompile, which names the frame
+            agent.drain()  # the sender folded these in before the job detached
+            compiled(torch.randn(3))  # the limit hit, whose record carries no code name
+    finally:
+        agent.shutdown()  # with the limit hit's record still queued
+    agent.drain()
+    assert {(_label(detach_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
+    assert {(_label(detach_fn), "tensor_size"): 1.0} == _series(agent, "recompiles_total")

@@ -144,9 +144,11 @@ class CompileProbe(Probe):
         self._keep(tap)
 
     def _uninstalled(self) -> None:
+        # Labels and frame names stay: records queued before a detach are folded in
+        # after it (the sender's last batch), and a limit hit names its function only
+        # through the frame map. Kept across disable/enable, labels stay top K per run.
         self._taps = []
         self._start = None
-        self._reset_state()
 
     # -- training thread (only while torch compiles) ---------------------------
     def _on_compile_start(self, *_args: Any) -> None:

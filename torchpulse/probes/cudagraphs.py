@@ -180,9 +180,10 @@ class CudaGraphProbe(Probe):
         self._keep(tap)
 
     def _uninstalled(self) -> None:
+        # State stays until the next install resets it (`_install_with_dynamo`): records
+        # queued before a detach are folded in after it, in the sender's last batch.
         self._callbacks = None
         self._taps = []
-        self._reset_state()
 
     # -- training thread: compile time and slow CUDA-graph paths ---------------
     def _on_compile_end(self, record: logging.LogRecord) -> None:
