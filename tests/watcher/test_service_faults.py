@@ -16,7 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.watcher.test_service import FakeWorker, _run, _until
-from torchpulse.daemon import checkpoint_runner, checkpoint_service, watcher
+from torchpulse.daemon import checkpoint_roots, checkpoint_runner, checkpoint_service, watcher
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_mounts import Mount
 from torchpulse.daemon.checkpoint_scan import deleted, metadata_key, scan
@@ -276,7 +276,8 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
     hung.mkdir()
     good.mkdir()
     release = threading.Event()
-    monkeypatch.setattr(checkpoint_service, "SETTLE_SECONDS", 0.3, raising=False)
+    monkeypatch.setattr(checkpoint_service, "SETTLE_SECONDS", 0.3)  # scans
+    monkeypatch.setattr(checkpoint_roots, "SETTLE_SECONDS", 0.3)  # watch operations
     snapshot = watcher._SafePollingEmitter.on_thread_start
     real_scan = checkpoint_service.scan
 

@@ -33,11 +33,12 @@ from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_mounts import Mount, read_mounts
+from torchpulse.daemon.checkpoint_roots import SETTLE_SECONDS, RootWatches, log_crash
 from torchpulse.daemon.checkpoint_scan import Scan, deleted, metadata_key, newest_data_write, scan
 from torchpulse.daemon.checkpoint_state import Record, StateStore
 from torchpulse.daemon.checkpoint_stats import CheckpointStats
 from torchpulse.daemon.offloop import off_loop
-from torchpulse.daemon.watcher import Outcome, Watcher, WatchEvent
+from torchpulse.daemon.watcher import Watcher, WatchEvent
 from torchpulse.protocol import CheckpointSaved
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
@@ -45,10 +46,6 @@ OTHER: Final = "other"
 MAX_SWEEP_INTERVAL: Final = 60.0
 # Forgetting records of deleted checkpoints stats every recorded path: hourly is plenty.
 PRUNE_INTERVAL: Final = 3600.0
-# How long start and a sweep wait for the watch operations and scans they
-# started. One still running then (a hung mount) goes on in its thread, and its
-# root is skipped, not waited for, until it ends.
-SETTLE_SECONDS: Final = 10.0
 # Longer paths cannot be opened (PATH_MAX).
 MAX_PATH_BYTES: Final = 4095
 # Distinct refused paths logged; an agent repeating a bad one logs it once.
@@ -67,19 +64,12 @@ class CheckpointService:
         self._watcher: Watcher | None = None
         self._announced: dict[str, float] = {}  # announced root -> last announcement
         self._folded: set[str] = set()
-        self._wanted: dict[str, str] = {}  # root -> observer wanted: auto, inotify or polling
-        # root -> its configured observer when inotify ran out of watches: polled until the config changes it.
-        self._fallbacks: dict[str, str] = {}
-        self._watch_errors: dict[str, str] = {}
-        self._ops: dict[str, asyncio.Task[None]] = {}  # root -> its watch operation in flight
-        self._op_started: dict[str, float] = {}  # root -> when (monotonic) that operation started
-        self._again: set[str] = set()  # roots asked about while their operation was in flight
+        self._watches: RootWatches | None = None
         self._scans: dict[str, asyncio.Task[None]] = {}  # root -> its scan in flight
         self._prune_task: asyncio.Task[None] | None = None
         # path -> validated key the state store could not write (full, read-only disk): not validated twice.
         self._unsaved: dict[str, str] = {}
         self._logged_once: set[str] = set()
-        self._closing = False
         self._debounce: dict[str, asyncio.TimerHandle] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._queued: set[str] = set()
@@ -100,9 +90,10 @@ class CheckpointService:
         mounts: Callable[[], list[Mount]] = read_mounts if self._mounts is None else functools.partial(
             list, self._mounts)
         self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds, mounts)
+        self._watches = RootWatches(self._watcher, self._roots)
         self._sync_roots()
         # Roots are usually watched when start returns; a hung mount delays the start a bounded time only.
-        await self._settle_watches()
+        await self._watches.settle()
         self._background = [asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
                             asyncio.create_task(self._sweeps(), name="checkpoint-sweep")]
 
@@ -125,10 +116,10 @@ class CheckpointService:
         return kept
 
     async def close(self) -> None:
-        self._closing = True
+        operations = self._watches.close() if self._watches is not None else []
         for handle in self._debounce.values():
             handle.cancel()
-        tasks = [*self._background, *self._tasks, *self._ops.values(), *self._scans.values()]
+        tasks = [*self._background, *self._tasks, *operations, *self._scans.values()]
         if self._prune_task is not None:
             tasks.append(self._prune_task)
         for task in tasks:
@@ -168,23 +159,14 @@ class CheckpointService:
         return roots
 
     def _sync_roots(self) -> None:
-        configured = self._roots()
-        # A fallback to polling stands until the config changes that root's observer (or drops the root):
-        # the inotify limit that caused it does not go away on SIGHUP or when another job announces.
-        self._fallbacks = {root: was for root, was in self._fallbacks.items() if configured.get(root) == was}
-        wanted = {root: "polling" if self._fallbacks.get(root) == observer else observer
-                  for root, observer in configured.items()}
-        for root in set(self._wanted) - set(wanted):
-            self._watch_errors.pop(root, None)
-            log.info("stopped watching a checkpoint root", root=root)
-        self._wanted = wanted
-        labels = {self._label(root) for root in wanted}
+        assert self._watches is not None
+        self._watches.sync()
+        labels = {self._label(root) for root in self._watches.wanted}
         for label in labels:
             self.stats.root(label)
         # A root no longer configured or announced (restored from the state
         # store, removed on SIGHUP, expired) must not export frozen series forever.
         self.stats.retain(labels | {OTHER})
-        self._rewatch()
 
     def _expire_announced(self) -> None:
         """Forget announced roots that no job has announced a save under for the TTL."""
@@ -199,87 +181,6 @@ class CheckpointService:
                      root=root, ttl_seconds=self.config.announced_root_ttl_seconds)
         if expired and self._watcher is not None:
             self._sync_roots()
-
-    def _rewatch(self) -> None:
-        """Bring every root's watch in line with `_wanted` (new, failed, lost, dead or dropped roots)."""
-        assert self._watcher is not None
-        for root in sorted({*self._wanted, *self._watcher.scheduled()}):
-            self._reconcile(root)
-
-    async def _settle_watches(self) -> None:
-        """Wait for the watch operations in flight, and the re-runs they leave behind, SETTLE_SECONDS at most.
-
-        Only operations younger than that count: a root whose operation is
-        older (a hung mount) is neither waited for nor given a second one.
-        """
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while (left := deadline - time.monotonic()) > 0:
-            now = time.monotonic()
-            young = [task for root, task in self._ops.items()
-                     if not task.done() and now - self._op_started[root] < SETTLE_SECONDS]
-            if not young:
-                return
-            await asyncio.wait(young, timeout=left)
-
-    def _reconcile(self, root: str) -> None:
-        """Start the watch operation of `root`, unless one is in flight (it then runs once more after)."""
-        if self._closing:
-            return
-        if root in self._ops:
-            self._again.add(root)
-            return
-        task = asyncio.create_task(self._reconcile_root(root), name=f"watch {root}")
-        self._ops[root] = task
-        self._op_started[root] = time.monotonic()
-        task.add_done_callback(functools.partial(self._op_done, root))
-
-    def _op_done(self, root: str, task: asyncio.Task[None]) -> None:
-        self._ops.pop(root, None)
-        self._op_started.pop(root, None)
-        _log_crash(task, "checkpoint root watch operation crashed", root=root)
-        if root in self._again and not self._closing:
-            self._again.discard(root)
-            self._reconcile(root)
-
-    async def _reconcile_root(self, root: str) -> None:
-        assert self._watcher is not None
-        watcher = self._watcher
-        while True:
-            want = self._wanted.get(root)
-            if want is None:
-                if root not in watcher.scheduled():
-                    return
-                await off_loop(functools.partial(watcher.unwatch, root), f"torchpulse-unwatch {root}")
-                continue  # re-added meanwhile?
-            outcome = await off_loop(functools.partial(watcher.ensure, root, want), f"torchpulse-watch {root}")
-            if self._wanted.get(root) != want:
-                continue  # changed while it ran (SIGHUP, announcement): once more
-            if outcome.exhausted and want != "polling":
-                self._fall_back(root, outcome.error or "")
-                continue
-            self._log_outcome(root, outcome)
-            return
-
-    def _log_outcome(self, root: str, outcome: Outcome) -> None:
-        if outcome.error is None:
-            self._watch_errors.pop(root, None)
-            if outcome.changed:
-                log.info("watching checkpoint root", root=root, observer=outcome.observer)
-        elif self._watch_errors.get(root) != outcome.error:
-            # Logged once per reason; the sweep retries quietly.
-            self._watch_errors[root] = outcome.error
-            log.warning("cannot watch checkpoint root; retrying at each sweep", root=root, observer=outcome.observer,
-                        error=outcome.error)
-
-    def _fall_back(self, root: str, error: str) -> None:
-        """inotify failed for `root` (most often out of watches): poll it, which needs none."""
-        configured = self._roots().get(root)
-        if configured is None or self._wanted.get(root) == "polling":
-            return
-        self._fallbacks[root] = configured
-        self._wanted[root] = "polling"
-        log.warning("inotify cannot watch this checkpoint root; polling it until the config changes its observer",
-                    root=root, error=error)
 
     def _root_of(self, path: str) -> str | None:
         best: str | None = None
@@ -296,14 +197,14 @@ class CheckpointService:
         if event.kind == "commit":
             self._commit(event.path)
             return
-        assert self._watcher is not None
+        assert self._watcher is not None and self._watches is not None
         if event.kind == "backend_error" and self._watcher.kind_of(event.root) == "inotify":
             # Most often the inotify watch limit (a deep tree's RecursionError too): polling needs no watches.
-            self._fall_back(event.root, event.detail)
+            self._watches.fall_back(event.root, event.detail)
         log.warning("checkpoint root watch lost; retrying at each sweep", root=event.root, reason=event.kind,
-                    error=event.detail, now_using=self._wanted.get(event.root))
+                    error=event.detail, now_using=self._watches.wanted.get(event.root))
         # The lost watch no longer counts as watched; its replacement is scheduled off the loop.
-        self._reconcile(event.root)
+        self._watches.reconcile(event.root)
 
     def announce(self, run: str, rank: int, saved: CheckpointSaved) -> None:
         """An agent saved a checkpoint; rank 0's announcement asks for its validation.
@@ -386,7 +287,7 @@ class CheckpointService:
         self._tasks.discard(task)
         self._in_flight.discard(path)
         self._slot_free.set()
-        _log_crash(task, "checkpoint validation crashed", path=path)
+        log_crash(task, "checkpoint validation crashed", path=path)
 
     def _log_once(self, key: str, event: str, **fields: object) -> None:
         if key in self._logged_once:
@@ -483,19 +384,20 @@ class CheckpointService:
         """Catch up on what events missed, report stale uncommitted saves, re-watch lost roots."""
         self._expire_announced()
         # Watch, then scan: a checkpoint committed in between is seen by one or the other.
-        self._rewatch()
-        await self._settle_watches()
-        started = [self._start_scan(root) for root in list(self._wanted)]
+        assert self._watches is not None
+        self._watches.rewatch()
+        await self._watches.settle()
+        started = [self._start_scan(root) for root in list(self._watches.wanted)]
         scans = [task for task in started if task is not None]
         if scans:
-            # Scans left running go on; their roots are skipped until they end.
+            # Scans left running past SETTLE_SECONDS go on (a hung mount); their roots are skipped until they end.
             await asyncio.wait(scans, timeout=SETTLE_SECONDS)
         prune_running = self._prune_task is not None and not self._prune_task.done()
         if time.monotonic() - self._pruned_at >= PRUNE_INTERVAL and not prune_running:
             self._pruned_at = time.monotonic()
             # In the background: it stats every recorded path, and one of them may be on a hung mount.
             self._prune_task = asyncio.create_task(self.prune(), name="checkpoint-prune")
-            self._prune_task.add_done_callback(functools.partial(_log_crash, message="checkpoint prune failed"))
+            self._prune_task.add_done_callback(functools.partial(log_crash, message="checkpoint prune failed"))
 
     def _start_scan(self, root: str) -> asyncio.Task[None] | None:
         if root in self._scans:
@@ -507,11 +409,11 @@ class CheckpointService:
 
     def _scan_done(self, root: str, task: asyncio.Task[None]) -> None:
         self._scans.pop(root, None)
-        _log_crash(task, "checkpoint root scan failed", root=root)
+        log_crash(task, "checkpoint root scan failed", root=root)
 
     async def _scan_root(self, root: str) -> None:
         result: Scan = await off_loop(functools.partial(scan, root), f"torchpulse-scan {root}")
-        if root not in self._wanted:
+        if self._watches is None or root not in self._watches.wanted:
             return  # dropped while it ran: its series are gone and stay gone
         for ckpt in sorted(result.committed, key=lambda c: -c.committed_at):
             if self._usable(ckpt.path) and self._known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce:
@@ -537,11 +439,6 @@ class CheckpointService:
         for path, is_gone in zip(unsaved, gone[len(rows):], strict=True):
             if is_gone:
                 self._unsaved.pop(path, None)
-
-
-def _log_crash(task: asyncio.Task[None], message: str, **fields: str) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error(message, error=repr(task.exception()), **fields)
 
 
 def _normalize(path: str) -> str:
