@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,10 +89,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def _ctl(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What a one-shot request to the daemon can raise; each is reported as one line and status 1.
 
-    from torchpulse.daemon.client import DaemonUnavailable, format_ctl, send_ctl
+    The client raises DaemonUnavailable for what it expects; a peer that resets the connection
+    (a daemon killed mid-answer), speaks another protocol version or sends garbage surfaces as
+    OSError or FrameError, which must not end in a traceback either.
+    """
+    from torchpulse.daemon.client import DaemonUnavailable
+    from torchpulse.protocol import FrameError
+
+    return DaemonUnavailable, FrameError, OSError
+
+
+def _client_error(path: Path, exc: Exception) -> str:
+    from torchpulse.protocol import FrameError
+
+    if isinstance(exc, FrameError):
+        return f"torchpulse: unexpected answer from {path}: {exc}"
+    if isinstance(exc, OSError):
+        return f"torchpulse: lost the connection to the daemon at {path}: {exc.strerror or exc}"
+    return f"torchpulse: {exc}"
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from torchpulse.daemon.client import format_ctl, send_ctl
     from torchpulse.paths import agent_socket_path
     from torchpulse.protocol import CtlRequest, FieldValue
 
@@ -111,26 +133,24 @@ def _ctl(args: argparse.Namespace) -> int:
     path = Path(args.socket) if args.socket else agent_socket_path()
     try:
         reply = send_ctl(path, request, timeout + 5.0)
-    except DaemonUnavailable as exc:
-        print(f"torchpulse: {exc}", file=sys.stderr)
+    except _client_errors() as exc:
+        print(_client_error(path, exc), file=sys.stderr)
         return 1
     print(format_ctl(reply))
     return 0 if reply.results and all(r.status == "ok" for r in reply.results) else 1
 
 
 def _status(socket_arg: str | None, as_json: bool) -> int:
-    from pathlib import Path
-
     import msgspec
 
-    from torchpulse.daemon.client import DaemonUnavailable, format_status, request_status
+    from torchpulse.daemon.client import format_status, request_status
     from torchpulse.paths import agent_socket_path
 
     path = Path(socket_arg) if socket_arg else agent_socket_path()
     try:
         reply = request_status(path)
-    except DaemonUnavailable as exc:
-        print(f"torchpulse: {exc}", file=sys.stderr)
+    except _client_errors() as exc:
+        print(_client_error(path, exc), file=sys.stderr)
         return 1
     if as_json:
         print(msgspec.json.encode(reply).decode())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,7 +19,8 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
                probes: str | None) -> dict[str, str]:
     """The environment CMD runs in: socket, run name, bootstrap first on PYTHONPATH."""
     env = dict(base)
-    env["TORCHPULSE_SOCKET"] = socket or str(agent_socket_path(base))
+    # Absolute: the job may change directory (Hydra does) before its agent first connects.
+    env["TORCHPULSE_SOCKET"] = str(Path(socket or agent_socket_path(base)).absolute())
     if run_name:
         env["TORCHPULSE_RUN"] = run_name
     # Shared by every process CMD starts (all torchrun ranks), used only when
@@ -26,7 +29,10 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
     if probes:
         env["TORCHPULSE_PROBES"] = probes
     existing = env.get("PYTHONPATH", "")
-    parts = [p for p in existing.split(os.pathsep) if p and Path(p).resolve() != BOOTSTRAP_DIR]
+    # An empty entry means the current directory to Python (":/lib" from `$PYTHONPATH:/lib`): kept,
+    # or the job could no longer import what it imported without torchpulse.
+    entries = existing.split(os.pathsep) if existing else []
+    parts = [p for p in entries if not p or Path(p).resolve() != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP_DIR), *parts])
     env["TORCHPULSE_BOOTSTRAP"] = "1"
     return env
@@ -38,9 +44,25 @@ def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | Non
         print("usage: torchpulse run [--socket PATH] [--run-name NAME] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     env = launch_env(os.environ, socket, run_name, probes)
+    _restore_signals()
     try:
         os.execvpe(cmd[0], list(cmd), env)
     except OSError as exc:
         print(f"torchpulse: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
+        # The shell's convention: 127 not found, 126 found but not executable.
+        return 127 if exc.errno == errno.ENOENT else 126
     return 0  # not reached: exec replaced this process
+
+
+def _restore_signals() -> None:
+    """Undo the dispositions Python set for itself, as subprocess's restore_signals does.
+
+    Python starts with SIGPIPE and SIGXFSZ ignored, and an ignored signal stays ignored
+    across exec: without this, `yes | head -1` in a wrapped shell script prints
+    "Broken pipe" instead of ending quietly, and a non-Python job sees EPIPE or EFBIG
+    errors where it would have been stopped by the signal.
+    """
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        number = getattr(signal, name, None)
+        if number is not None:
+            signal.signal(number, signal.SIG_DFL)

@@ -70,9 +70,12 @@ def summarize(exposition: str) -> list[RankSummary]:
             elif name == "torchpulse_optimizer_steps_total":
                 of(labels).steps += sample.value
             elif name == "torchpulse_optimizer_step_duration_seconds_bucket":
-                key = (labels["run"], labels["rank"])
+                # Through of(): a rank may have buckets and nothing else (its steps_total refused by
+                # the series limit, the agents collector failing this scrape).
+                row = of(labels)
+                row_buckets = buckets[(row.run, row.rank)]
                 le = float(labels["le"])
-                buckets[key][le] = buckets[key].get(le, 0.0) + sample.value
+                row_buckets[le] = row_buckets.get(le, 0.0) + sample.value
             elif name == "torchpulse_optimizer_learning_rate":
                 of(labels).learning_rates[f"{labels['optimizer']}/{labels['param_group']}"] = sample.value
             elif name == "torchpulse_optimizer_state_bytes":

@@ -66,8 +66,8 @@ class MetricsServer:
                 first = False
                 if request is None:
                     return
-                method, target, headers = request
-                keep_alive = headers.get("connection", "").lower() != "close"
+                method, target, version, headers = request
+                keep_alive = _keep_alive(version, headers)
                 await self._route(writer, method, target, headers, keep_alive)
                 if not keep_alive:
                     return
@@ -93,7 +93,7 @@ class MetricsServer:
 
     async def _read_request(
         self, reader: asyncio.StreamReader, timeout: float
-    ) -> tuple[str, str, dict[str, str]] | None:
+    ) -> tuple[str, str, str, dict[str, str]] | None:
         async with asyncio.timeout(timeout):
             try:
                 raw = await reader.readuntil(b"\r\n\r\n")
@@ -112,28 +112,30 @@ class MetricsServer:
                 headers[name.strip().lower()] = value.strip()
         if headers.get("content-length", "0") not in ("", "0"):
             raise ValueError("request bodies are not accepted")
-        return parts[0], parts[1], headers
+        return parts[0], parts[1], parts[2], headers
 
     async def _route(self, writer: asyncio.StreamWriter, method: str, target: str,
                      headers: dict[str, str], keep_alive: bool) -> None:
         path = target.split("?", 1)[0]
+        # A HEAD answer carries no body on any path: body bytes would be read as the next response.
+        head = method == "HEAD"
         if method not in ("GET", "HEAD"):
             await self._respond(writer, 405, b"method not allowed\n", keep_alive=keep_alive)
         elif path == "/metrics":
             # Always text format 0.0.4: Prometheus accepts it whatever it asks for first.
             body, content_type = self.exposition.render(), CONTENT_TYPE
             encoding = None
-            if "gzip" in headers.get("accept-encoding", ""):
+            if _accepts_gzip(headers.get("accept-encoding", "")):
                 body, encoding = gzip.compress(body, compresslevel=1), "gzip"
-            await self._respond(writer, 200, body, content_type, keep_alive, encoding, method == "HEAD")
+            await self._respond(writer, 200, body, content_type, keep_alive, encoding, head)
         elif path == "/healthz":
             ok = self.health()
             await self._respond(writer, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n",
-                                keep_alive=keep_alive)
+                                keep_alive=keep_alive, head=head)
         elif path == "/":
-            await self._respond(writer, 200, LANDING, "text/html; charset=utf-8", keep_alive)
+            await self._respond(writer, 200, LANDING, "text/html; charset=utf-8", keep_alive, head=head)
         else:
-            await self._respond(writer, 404, b"not found\n", keep_alive=keep_alive)
+            await self._respond(writer, 404, b"not found\n", keep_alive=keep_alive, head=head)
 
     @staticmethod
     async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
@@ -148,8 +150,44 @@ class MetricsServer:
         ]
         if encoding:
             lines.append(f"Content-Encoding: {encoding}")
+        if content_type == CONTENT_TYPE:
+            lines.append("Vary: Accept-Encoding")  # the body depends on it: caches must not mix the two
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         if not head:
             writer.write(body)
         async with asyncio.timeout(WRITE_TIMEOUT):
             await writer.drain()
+
+
+def _tokens(value: str) -> list[str]:
+    """The comma-separated items of a header, lowercased, each without its parameters."""
+    return [item.split(";", 1)[0].strip().lower() for item in value.split(",")]
+
+
+def _keep_alive(version: str, headers: dict[str, str]) -> bool:
+    """RFC 9112: HTTP/1.1 persists unless `close`; HTTP/1.0 closes unless `keep-alive`.
+
+    An HTTP/1.0 client kept open reads until the idle timeout for the end of a body it
+    thinks is delimited by the close (curl -0, netcat and shell health checks).
+    """
+    tokens = _tokens(headers.get("connection", ""))
+    if version.upper() == "HTTP/1.0":
+        return "keep-alive" in tokens
+    return "close" not in tokens
+
+
+def _accepts_gzip(accept_encoding: str) -> bool:
+    """True unless gzip is absent or refused with q=0 (`gzip;q=0`, RFC 9110 12.5.3)."""
+    for item in accept_encoding.split(","):
+        coding, _, params = item.partition(";")
+        if coding.strip().lower() not in ("gzip", "x-gzip"):
+            continue
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    return float(value.strip()) > 0
+                except ValueError:
+                    return False
+        return True
+    return False

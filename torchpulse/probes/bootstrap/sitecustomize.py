@@ -19,14 +19,21 @@ if TYPE_CHECKING:
     from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Set in this module's namespace before it runs when another torchpulse bootstrap (a second
+# install, nested `torchpulse run`s) chained to it: every bootstrap directory already passed.
+# Without it two bootstraps on PYTHONPATH would chain to each other until RecursionError,
+# and the user's own sitecustomize would never run.
+_CHAINED_FROM: tuple[str, ...] = globals().get("_torchpulse_chained_from", ())
 
 
 def _chain_to_shadowed_sitecustomize() -> None:
-    paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    skip = {*_CHAINED_FROM, _HERE}
+    paths = [p for p in sys.path if os.path.abspath(p or os.curdir) not in skip]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
     if spec is None or spec.loader is None:
         return
     module = importlib.util.module_from_spec(spec)
+    module.__dict__["_torchpulse_chained_from"] = tuple(skip)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)
 
@@ -72,5 +79,10 @@ class _AttachAfterTorch:
 try:
     _chain_to_shadowed_sitecustomize()
 finally:
-    if os.environ.get("TORCHPULSE_BOOTSTRAP") == "1" and "torch" not in sys.modules:
-        sys.meta_path.insert(0, _AttachAfterTorch())
+    # A chained bootstrap leaves attaching to the first one, which runs this after it returns.
+    if os.environ.get("TORCHPULSE_BOOTSTRAP") == "1" and not _CHAINED_FROM:
+        if "torch" in sys.modules:
+            # The shadowed sitecustomize imported torch itself: there is no later import to wait for.
+            _attach()
+        else:
+            sys.meta_path.insert(0, _AttachAfterTorch())

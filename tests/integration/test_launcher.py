@@ -1,0 +1,118 @@
+"""`torchpulse run -- CMD` leaves the job as it was: exit status, imports, sitecustomize, socket, agent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, DaemonProcess, select, wait_for
+from torchpulse.launcher import BOOTSTRAP_DIR
+
+TRAIN = textwrap.dedent("""
+    import os, sys
+    if len(sys.argv) > 1:
+        os.chdir(sys.argv[1])
+    import torch
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    """)
+
+
+def _run(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO,
+         options: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torchpulse", "run", *options, "--", *cmd], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def _steps(daemon: DaemonProcess, run: str) -> list[float]:
+    return list(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=run).values())
+
+
+def test_exit_status_and_death_by_signal_are_the_commands_own() -> None:
+    """exec, not a wrapper: the status is the command's, and a signal kills the process itself."""
+    assert 7 == _run("sh", "-c", "exit 7").returncode
+    assert -signal.SIGTERM == _run("sh", "-c", "kill -TERM $$").returncode
+
+
+def test_the_command_starts_with_the_signal_dispositions_it_would_have_had() -> None:
+    """Python ignores SIGPIPE and SIGXFSZ for itself; the exec'd job must not inherit that (`yes | head`)."""
+    script = "yes | head -n 1; grep SigIgn /proc/self/status"
+    direct = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    wrapped = _run("sh", "-c", script)
+    assert (0, direct.stdout, "") == (wrapped.returncode, wrapped.stdout, wrapped.stderr)
+
+
+def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> None:
+    """Not found is 127 and found but not executable is 126, each with one line on stderr."""
+    missing = _run(str(tmp_path / "no-such-command"))
+    not_executable = tmp_path / "data.txt"
+    not_executable.write_text("x\n")
+    denied = _run(str(not_executable))
+    assert (127, 126) == (missing.returncode, denied.returncode)
+    assert (["No such file or directory"], ["Permission denied"]) == (
+        [line.rsplit(": ", 1)[1] for line in missing.stderr.splitlines()],
+        [line.rsplit(": ", 1)[1] for line in denied.stderr.splitlines()])
+
+
+@pytest.mark.parametrize("pythonpath", [":{repo}", "{repo}:"])
+def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path: Path, pythonpath: str) -> None:
+    """`PYTHONPATH=$PYTHONPATH:/lib` with PYTHONPATH unset puts the cwd on sys.path; the job keeps importing from it."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "local_helpers.py").write_text("VALUE = 42\n")
+    script = tmp_path / "job.py"
+    script.write_text("import local_helpers\nprint(local_helpers.VALUE)\n")
+    env = dict(os.environ, PYTHONPATH=pythonpath.format(repo=REPO))
+    direct = subprocess.run([sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True,
+                            timeout=60)
+    wrapped = _run(sys.executable, str(script), env=env, cwd=workdir)
+    assert [(0, "42\n", "")] * 2 == [(r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
+
+
+def test_a_relative_socket_is_found_after_the_job_changes_directory(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """`--socket agent.sock` names the socket where `torchpulse run` started, not where the job moved to."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    result = _run(sys.executable, str(script), "/", env=daemon.env(), cwd=daemon.socket_path.parent,
+                  options=("--socket", daemon.socket_path.name, "--run-name", "moved"))
+    assert (0, "") == (result.returncode, result.stderr)
+    wait_for(lambda: [3.0] == _steps(daemon, "moved"))
+
+
+def test_a_sitecustomize_that_imports_torch_still_gets_the_agent(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The user's sitecustomize imported torch before the bootstrap could wait for it: the agent attaches anyway."""
+    site = tmp_path / "usersite"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\n")
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    result = _run(sys.executable, str(script), env=daemon.env(PYTHONPATH=f"{site}{os.pathsep}{REPO}"),
+                  options=("--run-name", "site-torch"))
+    assert (0, "") == (result.returncode, result.stderr)
+    wait_for(lambda: [3.0] == _steps(daemon, "site-torch"))
+
+
+def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_path: Path) -> None:
+    """A second torchpulse install's bootstrap on PYTHONPATH (nested runs): no endless chain, the user's runs once."""
+    other = tmp_path / "other-install" / "bootstrap"
+    shutil.copytree(BOOTSTRAP_DIR, other, ignore=shutil.ignore_patterns("__pycache__"))
+    site = tmp_path / "usersite"
+    site.mkdir()
+    # Silent in the `torchpulse run` process itself, which the same PYTHONPATH applies to.
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('TORCHPULSE_BOOTSTRAP'):\n    sys.stderr.write('user sitecustomize\\n')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(other), str(site), str(REPO)]))
+    code = "import sys; print(sum(type(f).__name__ == '_AttachAfterTorch' for f in sys.meta_path))"
+    result = _run(sys.executable, "-c", code, env=env)
+    assert (0, "1\n", "user sitecustomize\n") == (result.returncode, result.stdout, result.stderr)
