@@ -45,7 +45,7 @@ def test_sigterm_stops_cleanly_and_a_stale_socket_is_replaced(tmp_path: Path) ->
 
 
 def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
-    """With `textfile` set the daemon writes a parseable .prom file for node_exporter."""
+    """With `textfile` set the daemon writes a parseable .prom file for node_exporter, and removes it at stop."""
     prom = tmp_path / "torchpulse.prom"
     config = tmp_path / "tp.toml"
     config.write_text(f'[daemon]\ntextfile = "{prom}"\ntextfile_interval_seconds = 0.2\n')
@@ -56,7 +56,9 @@ def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
         assert [1.0] == list(select(samples, "torchpulse_build_info").values())
         assert [] == [p.name for p in tmp_path.iterdir() if p.name.startswith(".torchpulse.prom.")]
     finally:
-        daemon.stop()
+        assert 0 == daemon.stop()
+    # Left behind, node_exporter would serve the last values (agent_up 1) for as long as it runs.
+    assert not prom.exists()
 
 
 def test_a_second_daemon_on_a_live_socket_refuses_to_start(tmp_path: Path) -> None:

@@ -71,3 +71,12 @@ def test_status_text_escapes_control_characters_in_agent_names() -> None:
     text = format_status(reply)
     assert "run evil\\nrun \\x1b[2J (running" in text and "host\\rX" in text
     assert "\x1b" not in text and "\r" not in text
+
+
+def test_ctl_text_escapes_control_characters_in_the_run_name() -> None:
+    """`torchpulse ctl` echoes the run it was given; a run nobody serves must not reach the terminal raw."""
+    from torchpulse.daemon.client import format_ctl
+    from torchpulse.protocol import CtlReply
+
+    text = format_ctl(CtlReply(run="evil\x1b[2J", command="trace", results=[]))
+    assert "run evil\\x1b[2J: no such run" in text and "\x1b" not in text

@@ -164,6 +164,8 @@ EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
         "log_format": "auto",
         "log_level": "info",
         "control_group": "",
+        "textfile": "",
+        "textfile_interval_seconds": 15,
     },
     "runs": {"grace_period_seconds": 300, "series_limit_per_run": 5000, "max_runs": 1000, "max_ranks_per_run": 1024},
     "checkpoints": {
@@ -182,6 +184,21 @@ EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
 def test_sample_config_lists_exactly_the_daemon_keys_with_defaults() -> None:
     """The sample config parses and holds exactly the documented keys and defaults."""
     assert tomllib.loads((UNITS / "torchpulse.toml").read_text()) == EXPECTED_CONFIG
+
+
+def test_sample_config_covers_every_key_the_daemon_reads() -> None:
+    """A key added to the config classes must appear in the sample (set, or in a comment for rare ones)."""
+    import dataclasses
+
+    from torchpulse.daemon.checkpoint_config import CheckpointsConfig
+    from torchpulse.daemon.config import DaemonSection, RunsSection
+
+    text = (UNITS / "torchpulse.toml").read_text()
+    sample = tomllib.loads(text)
+    for section, cls in (("daemon", DaemonSection), ("runs", RunsSection)):
+        assert {f.name for f in dataclasses.fields(cls)} == set(sample[section]), section
+    commented = set(re.findall(r"^# ([a-z_]+) = ", text, re.MULTILINE))
+    assert {f.name for f in dataclasses.fields(CheckpointsConfig)} == set(sample["checkpoints"]) | commented
 
 
 def test_every_sample_config_key_is_documented() -> None:

@@ -98,7 +98,7 @@ def send_ctl(path: Path, request: CtlRequest, timeout: float) -> CtlReply:
 
 def format_ctl(reply: CtlReply) -> str:
     if not reply.results:
-        return f"run {reply.run}: no such run, or no ranks connected"
+        return f"run {_printable(reply.run)}: no such run, or no ranks connected"
     lines = []
     for result in reply.results:
         data = " ".join(f"{k}={v}" for k, v in sorted(result.data.items()))

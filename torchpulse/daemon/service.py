@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -20,17 +21,20 @@ from torchpulse.daemon import config as config_module
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.daemon.config import Config, ConfigError, Overrides, parse_listen
 from torchpulse.daemon.control import ControlHub
+from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.exporters.http import MetricsServer
 from torchpulse.exporters.prometheus import build_exposition
-from torchpulse.exporters.textfile import write_textfile
+from torchpulse.exporters.textfile import remove_textfile, write_textfile
 from torchpulse.protocol import RankStatus, RunStatus, StatusReply
 
 log = structlog.get_logger("torchpulse.daemon")
 HOUSEKEEPING_INTERVAL = 1.0
 STATUS_INTERVAL = 15.0
+# How long a stop waits for the textfile's last write and its removal (a hung mount gives up).
+TEXTFILE_STOP_SECONDS = 5.0
 
 
 def _no_checkpoint_summary() -> tuple[int, int]:
@@ -61,6 +65,9 @@ class Daemon:
         self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False
+        # The textfile write in flight: in a thread, so a hung textfile mount never stalls the loop.
+        self._textfile_write: asyncio.Future[None] | None = None
+        self._textfile_stalled = False
         self.started = time.monotonic()
 
     def status(self) -> StatusReply:
@@ -117,6 +124,7 @@ class Daemon:
             await self.agents.close()
             await self.metrics.close()
             await self.checkpoints.close()
+            await self._remove_textfile()
 
     def _status_line(self) -> str:
         runs, ranks = self.registry.counts()
@@ -149,7 +157,7 @@ class Daemon:
                 systemd.notify(self._status_line())
             if textfile and now - last_textfile >= self.config.daemon.textfile_interval_seconds:
                 last_textfile = now
-                self._write_textfile(Path(textfile))
+                self._start_textfile_write(Path(textfile))
 
     def reload(self) -> None:
         """SIGHUP: re-read the config file; keep running on the old one if it is bad."""
@@ -196,8 +204,43 @@ class Daemon:
             log.warning("state directory not writable; continuing without persistence",
                         state_dir=str(state_dir), error=exc.strerror)
 
-    def _write_textfile(self, path: Path) -> None:
-        try:
-            write_textfile(self.exposition, path)
-        except OSError as exc:
-            log.warning("cannot write the textfile output", path=str(path), error=exc.strerror)
+    def _start_textfile_write(self, path: Path) -> None:
+        if self._textfile_write is not None and not self._textfile_write.done():
+            if not self._textfile_stalled:
+                self._textfile_stalled = True
+                log.warning("the previous textfile write has not finished (a hung filesystem?); skipping writes "
+                            "until it does", path=str(path))
+            return
+        self._textfile_stalled = False
+        # Rendered here: the registry changes on this loop and must not be read from another thread.
+        data = self.exposition.render()
+        self._textfile_write = off_loop(functools.partial(_write_textfile, data, path), "torchpulse-textfile")
+
+    async def _remove_textfile(self) -> None:
+        textfile = self.config.daemon.textfile
+        if not textfile:
+            return
+        # The last write first, or it could put the file back after the removal.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(TEXTFILE_STOP_SECONDS):
+                if self._textfile_write is not None:
+                    await self._textfile_write
+                await off_loop(functools.partial(_remove_textfile, Path(textfile)), "torchpulse-textfile")
+            return
+        log.warning("could not remove the textfile output at stop (a hung filesystem?)", path=textfile)
+
+
+def _write_textfile(data: bytes, path: Path) -> None:
+    try:
+        write_textfile(data, path)
+    except OSError as exc:
+        log.warning("cannot write the textfile output", path=str(path), error=exc.strerror)
+    except Exception:  # awaited at stop: nothing may end the stop early
+        log.exception("textfile write failed", path=str(path))
+
+
+def _remove_textfile(path: Path) -> None:
+    try:
+        remove_textfile(path)
+    except OSError as exc:
+        log.warning("cannot remove the textfile output", path=str(path), error=exc.strerror)

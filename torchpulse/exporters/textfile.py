@@ -6,12 +6,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from torchpulse.exporters.prometheus import Exposition
 
-
-def write_textfile(exposition: Exposition, path: Path) -> None:
-    """Write the exposition next to `path` and rename it into place (never a partial file)."""
-    data = exposition.render()
+def write_textfile(data: bytes, path: Path) -> None:
+    """Write `data` next to `path` and rename it into place (never a partial file)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -21,3 +18,8 @@ def write_textfile(exposition: Exposition, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_textfile(path: Path) -> None:
+    """On a clean stop: node_exporter would otherwise serve the last values (`agent_up 1`) for ever."""
+    path.unlink(missing_ok=True)
