@@ -39,9 +39,10 @@ def _chain_to_shadowed_sitecustomize() -> None:
 
 
 def _should_attach() -> bool:
-    # Inductor's compile workers import torch but never train.
-    argv = " ".join(sys.argv[:2])
-    return "compile_worker" not in argv
+    # Inductor's compile workers (`python -m torch._inductor.compile_worker`, argv[0] its
+    # __main__.py path) import torch but never train; a user script merely named so does.
+    argv = " ".join(sys.argv[:2]).replace(os.sep, ".")
+    return "_inductor.compile_worker" not in argv
 
 
 def _attach() -> None:
