@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from ckpt_corrupt import entry, load_md, save_md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from torchpulse.checkpoints.cli import main
 from torchpulse.checkpoints.model import Level, Status
@@ -75,3 +81,53 @@ def test_worker_memory_limit_is_an_error_result(single_root: Path) -> None:
     """A worker that cannot even import torch under its memory limit reports an error."""
     result = validate_in_worker(single_root / "single", Level.DATA, Limits(memory_bytes=64 << 20))
     assert Status.ERROR == result.status
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
+    """The CLI in a child with a UTF-8 stdout, as on a terminal (capsys would hide encoding errors)."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    return subprocess.run([sys.executable, "-m", "torchpulse", "check", *argv], capture_output=True, env=env,
+                          timeout=120)
+
+
+def test_hostile_names_are_escaped_in_text_and_json(single_root: Path, tmp_path: Path) -> None:
+    """File and key names carrying escape sequences or non-UTF-8 bytes neither reach the terminal raw nor crash it."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(single_root / "single", ckpt)
+    evil = b"\x1b]0;owned\x07\x1b[2J\xe2\x80\xae\xff.distcp"  # title, clear screen, right-to-left override, not UTF-8
+    shutil.copy(ckpt / "__0_0.distcp", os.fsencode(ckpt) + b"/" + evil)
+    text, as_json = _run_cli(str(ckpt), "--level", "metadata"), _run_cli(str(ckpt), "--level", "metadata",
+                                                                      "--format", "json")
+    subjects = [f["subject"] for f in json.loads(as_json.stdout)["findings"]]
+    assert (0, 0, [os.fsdecode(evil)]) == (text.returncode, as_json.returncode, subjects), text.stderr
+    raw = text.stdout + as_json.stdout
+    assert (False, False, False) == (b"\x1b" in raw, b"\x07" in raw, "\u202e".encode() in raw)
+    assert b"\\x1b]0;owned\\x07\\x1b[2J\\u202e\\udcff.distcp" in text.stdout
+
+
+def test_a_validator_failure_is_exit_2_without_a_traceback(single_root: Path, tmp_path: Path) -> None:
+    """Whatever goes wrong inside the validator reads "cannot tell" (2), never "invalid" (1) and a traceback.
+
+    The trigger: a `step` saved as a bytes item holding a 2040-bit int (`float()` of it overflows in a rule).
+    """
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(single_root / "single", ckpt)
+    md = load_md(ckpt)
+    key = "optim.state.0.weight.step"
+    index, _ = entry(md, key)
+    del md.storage_data[index]
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02\x8a\xff" + b"\xff" * 254 + b"\x7f.")
+    data = ckpt / "__0_0.distcp"
+    md.storage_data[MetadataIndex(key)] = _StorageInfo(data.name, data.stat().st_size, len(buf.getvalue()))
+    with open(data, "ab") as f:
+        f.write(buf.getvalue())
+    save_md(ckpt, md)
+    proc = _run_cli(str(ckpt), "--format", "json")
+    assert b"Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if proc.returncode == 2:
+        assert (b"", 1) == (proc.stdout, len(proc.stderr.splitlines()))
+    else:  # once the rule copes with it: a finding, with the whole JSON result
+        assert (1, "invalid") == (proc.returncode, json.loads(proc.stdout)["status"])

@@ -90,3 +90,14 @@ def test_a_flipped_bit_in_the_second_part_is_a_crc_mismatch(large_item_checkpoin
     data.write_bytes(bytes(raw))
     report = _read(copy, 4096, 2)
     assert [(p.kind, p.key) for p in report.problems] == [("crc", "model.w")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32])
+def test_dtypes_saved_through_untyped_storage_are_readable(tmp_path: Path, dtype: torch.dtype) -> None:
+    """float8 and the unsigned ints have no legacy storage class: torch writes `torch.storage.UntypedStorage`."""
+    dcp.save({"model": {"w": torch.zeros(4, 2).to(dtype)}}, checkpoint_id=tmp_path / "ckpt")
+    outcome = read_checkpoint(tmp_path / "ckpt")
+    assert outcome.checkpoint is not None
+    report = read_data(outcome.checkpoint, frozenset())
+    stored = [(t.key, t.dtype, t.shape) for t in report.tensors]
+    assert ((), [("model.w", str(dtype).removeprefix("torch."), (4, 2))]) == (report.problems, stored)

@@ -6,6 +6,7 @@ Exit status: 0 valid (warnings allowed), 1 invalid, 3 incomplete, 2 usage or I/O
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -47,26 +48,50 @@ class ProgressBar:
         self.stream.flush()
 
 
+def printable(text: str) -> str:
+    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`, `\\udcff`).
+
+    Paths, keys and zip member names come from the checkpoint: raw, an escape
+    sequence would drive the reader's terminal (retitle, clear, hide lines),
+    a right-to-left override would reorder the line, and a file name that is
+    not UTF-8 (a lone surrogate here) would make print() raise.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def render_text(result: ValidationResult) -> str:
-    """A summary line, then findings grouped by rule."""
+    """A summary line, then findings grouped by rule (every name escaped, see `printable`)."""
     counts: dict[str, int] = defaultdict(int)
     for f in result.findings:
         counts[f.severity.value] += 1
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no findings"
     stats = result.stats
     lines = [
-        f"{result.status.value.upper()}: {result.path} (level {result.level.value}; {summary}; "
+        f"{result.status.value.upper()}: {printable(result.path)} (level {result.level.value}; {summary}; "
         f"{stats.get('tensors', 0)} tensors, {stats.get('bytes', 0)} bytes, "
         f"{float(stats.get('duration_seconds', 0.0)):.2f} s)"
     ]
     by_rule: dict[str, list[str]] = defaultdict(list)
     for f in result.findings:
-        subject = f"{f.subject}: " if f.subject else ""
-        by_rule[f.rule].append(f"    {f.severity.value:<7} {subject}{f.message}")
+        subject = f"{printable(f.subject)}: " if f.subject else ""
+        by_rule[f.rule].append(f"    {f.severity.value:<7} {subject}{printable(f.message)}")
     for rule in sorted(by_rule):
-        lines.append(f"  {rule} {RULES.get(rule, '')} ({len(by_rule[rule])})")
+        lines.append(f"  {printable(rule)} {RULES.get(rule, '')} ({len(by_rule[rule])})")
         lines.extend(by_rule[rule])
     return "\n".join(lines)
+
+
+def _listed_bytes(path: str) -> int:
+    """Total size of the regular files in `path`, for the progress bar only (0 if they cannot be listed)."""
+    total = 0
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        for e in it:
+            with contextlib.suppress(OSError):
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+    return total
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,19 +109,25 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_ERROR
     if not Path(args.path).is_dir():
-        print(f"torchpulse check: {args.path}: not a directory", file=sys.stderr)
+        print(f"torchpulse check: {printable(args.path)}: not a directory", file=sys.stderr)
         return EXIT_ERROR
     from torchpulse.checkpoints.validate import Options, validate
 
     level = Level(args.level)
     bar: ProgressBar | None = None
     if level is not Level.METADATA and sys.stderr.isatty():
-        total = sum(e.stat().st_size for e in os.scandir(args.path) if e.is_file())
-        bar = ProgressBar(total, sys.stderr)
+        bar = ProgressBar(_listed_bytes(args.path), sys.stderr)
     try:
         result = validate(args.path, level, Options(progress=bar))
-    except OSError as exc:
-        print(f"torchpulse check: {exc}", file=sys.stderr)
+    except (OSError, MemoryError) as exc:
+        # The validator could not finish: nothing is known about the checkpoint ("cannot tell").
+        print(f"torchpulse check: {printable(str(exc) or type(exc).__name__)}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        # A bug of the validator, not a verdict on the checkpoint: a traceback and Python's exit
+        # status 1 would read as "invalid".
+        print(f"torchpulse check: internal error: {type(exc).__name__}: {printable(str(exc))[:500]}",
+              file=sys.stderr)
         return EXIT_ERROR
     finally:
         if bar is not None:

@@ -11,21 +11,23 @@ combined. torch is imported only here, lazily, and only to look at numbers
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import pickle
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torchpulse.checkpoints.crc import crc32, crc32_combine
 from torchpulse.checkpoints.model import (
     Checkpoint,
     DataReport,
+    FileInfo,
     Format,
     ItemProblem,
     StorageEntry,
@@ -40,7 +42,7 @@ from torchpulse.checkpoints.unpickler import (
     load_plain,
     load_tensor_record,
 )
-from torchpulse.checkpoints.zipview import ZipFormatError, central_directory, data_offset
+from torchpulse.checkpoints.zipview import Member, ZipFormatError, central_directory, data_offset
 
 # Blocks small enough to stay in cache between the read, the CRC and the value check:
 # measured on 1 GB, 512 KiB to 1 MiB blocks in two workers match `cat`; 8 MiB is 15% slower.
@@ -48,6 +50,8 @@ BLOCK_SIZE = 1 << 20
 WORKERS = 2
 _FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 _PICKLE_CAP = 64 << 20
+# What torch.save puts around one storage (data.pkl, version, byteorder, 64-byte alignment): a few KiB.
+_ZIP_SLACK = 1 << 20
 
 Progress = Callable[[int], None]
 
@@ -58,6 +62,8 @@ class _Accumulator:
     bytes_items: list[StoredBytes]
     problems: list[ItemProblem]
     bytes_read: int = 0
+    # (key, chunk offsets) -> bytes of the chunk, built on the first transformed item.
+    chunk_bytes: dict[tuple[str, tuple[int, ...]], int] | None = None
 
 
 class _ValueCheck:
@@ -114,6 +120,11 @@ class _Source:
         self.fd, self.base, self.length, self.data = fd, base, length, data
 
     def read_at(self, offset: int, n: int) -> bytes:
+        # Offsets come from the item's own bytes (zip64 fields, a record's storage offset): one
+        # outside the item reads nothing, not another item's bytes, and never reaches pread as
+        # a negative or 2**64 offset.
+        if offset < 0 or offset >= self.length:
+            return b""
         n = max(0, min(n, self.length - offset))
         if self.data is not None:
             return bytes(self.data[offset : offset + n])
@@ -276,19 +287,24 @@ def _read_files(
     by_file: dict[str, list[StorageEntry]] = {}
     for s in ckpt.storage:
         info = ckpt.files.get(s.relative_path)
-        if info is not None and s.offset >= 0 and s.offset + s.length <= info.size:
+        if info is not None and s.offset >= 0 and s.length >= 0 and s.offset + s.length <= info.size:
             by_file.setdefault(s.relative_path, []).append(s)
     for name in sorted(by_file):
         path = Path(ckpt.path) / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            acc.problems.extend(ItemProblem("unreadable", s.key, name, str(exc)) for s in by_file[name])
+        fd = _open_as_listed(path, ckpt.files[name])
+        if fd is None:
+            acc.problems.extend(ItemProblem("unreadable", s.key, name, "not a regular file") for s in by_file[name])
             continue
         try:
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            reach = 0
             for entry in sorted(by_file[name], key=lambda s: s.offset):
+                if entry.length > 0 and entry.offset < reach:
+                    # Overlapping items are TP-CKPT-007 already: reading each of them again would let
+                    # a large .metadata read one file once per item (a million times 64 MiB).
+                    continue
+                reach = max(reach, entry.offset + entry.length)
                 try:
                     _read_item(ckpt, fd, entry, entry.key in value_keys, workers, acc)
                 except (
@@ -296,19 +312,54 @@ def _read_files(
                     pickle.UnpicklingError,
                     ValueError,
                     EOFError,
-                    OSError,
                     KeyError,
                     struct.error,
                 ) as exc:
+                    # OSError is not here: an I/O error means "cannot tell", not a broken item.
                     acc.problems.append(ItemProblem("unreadable", entry.key, name, str(exc)))
                 acc.bytes_read += entry.length
                 if progress is not None:
                     progress(entry.length)
+            # Truncated or rewritten while it was read: what was found describes no file on disk.
+            _check_as_listed(os.fstat(fd), path, ckpt.files[name])
         finally:
             if drop_cache:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+
+
+def _open_as_listed(path: Path, listed: FileInfo) -> int | None:
+    """A descriptor on `path` if it is still the regular file the listing saw; None if it is no regular file.
+
+    The listing kept only regular files, but the directory can change before
+    the read: O_NONBLOCK keeps a FIFO swapped in from blocking open() forever,
+    O_NOFOLLOW keeps a symlink from leading out. Any other error (EACCES,
+    ENOENT after a delete, EIO) propagates: the validator cannot tell, which
+    is not the same as an invalid checkpoint.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        _check_as_listed(st, path, listed)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    return fd
+
+
+def _check_as_listed(st: os.stat_result, path: Path, listed: FileInfo) -> None:
+    if (st.st_size, st.st_mtime_ns) != (listed.size, listed.mtime_ns):
+        raise OSError(f"{path}: changed while it was validated ({listed.size} bytes listed, {st.st_size} now)")
 
 
 def _read_item(
@@ -319,52 +370,68 @@ def _read_item(
         return
     source = _Source(fd, entry.offset, entry.length)
     if entry.transforms:
-        source = _Source(None, 0, 0, bytearray(_untransform(source.read_at(0, entry.length), entry)))
-        source.length = len(source.data or b"")
+        data = _untransform(source.read_at(0, entry.length), entry, _expanded_limit(ckpt, entry, acc))
+        source = _Source(None, 0, len(data), data)
     members = central_directory(source.read_at, source.length)
-    record: TensorRecord | None = None
-    pickled: bytes | None = None
+    if not members:
+        raise ZipFormatError("empty archive")
+    # What torch.load reads (PyTorchStreamReader): `<dir>/data.pkl`, then `<dir>/data/<key>` for the
+    # storage the pickle names, <dir> being the first central directory entry's directory. Those
+    # decide what is checked, whatever the order of the members or other files named data.pkl;
+    # every other member is only checksummed.
+    prefix = members[0].name.split("/", 1)[0]
+    named = {m.name: m for m in members}
+    pkl = named.get(f"{prefix}/data.pkl")
+    if pkl is None:
+        raise ZipFormatError("no data.pkl in the item")
+    if pkl.size > _PICKLE_CAP:
+        raise ZipFormatError("data.pkl is implausibly large")
+    pickled = source.read_at(_member_start(source, pkl), pkl.size)
+    _check_crc(acc, entry, pkl, crc32(pickled, 0))
+    record = None if entry.chunk_offsets is None else load_tensor_record(pickled)
+    storage = None
+    if record is not None:
+        storage = named.get(f"{prefix}/data/{record.storage.key}")
+        if storage is None:
+            raise ZipFormatError(f"no member data/{record.storage.key} for the storage that data.pkl names")
     for m in sorted(members, key=lambda m: m.local_offset):
-        if m.method != 0:
-            raise ZipFormatError(f"{m.name}: compressed members are not written by torch.save")
-        start = data_offset(source.read_at, m)
-        if start + m.size > source.length:
-            raise ZipFormatError(f"{m.name} runs past the end of the item")
-        short = m.name.rsplit("/", 1)[-1]
-        if short == "data.pkl":
-            if m.size > _PICKLE_CAP:
-                raise ZipFormatError("data.pkl is implausibly large")
-            pickled = source.read_at(start, m.size)
-            crc = crc32(pickled, 0)
-            if entry.chunk_offsets is not None:
-                record = load_tensor_record(pickled)
-        elif "/data/" in m.name and record is not None:
+        if m is pkl:
+            continue
+        start = _member_start(source, m)
+        if m is storage and record is not None:
             crc = _scan_storage(source, start, m, record, check, workers, acc, entry)
         else:
             crc = source.scan(start, m.size, workers).crc
-        if crc != m.crc32:
-            acc.problems.append(
-                ItemProblem(
-                    "crc",
-                    entry.key,
-                    entry.relative_path,
-                    f"member {m.name}: stored {m.crc32:08x}, computed {crc:08x}",
-                )
-            )
-    if pickled is None:
-        raise ZipFormatError("no data.pkl in the item")
-    if entry.chunk_offsets is None:
+        _check_crc(acc, entry, m, crc)
+    if record is None:
         acc.bytes_items.append(_decode_bytes_item(entry.key, pickled))
-    elif record is not None and not any(
-        t.key == entry.key and t.chunk_offsets == entry.chunk_offsets for t in acc.tensors[-1:]
-    ):
-        acc.tensors.append(StoredTensor(entry.key, entry.chunk_offsets, record.dtype, record.shape))
+
+
+def _member_start(source: _Source, m: Member) -> int:
+    if m.method != 0:
+        raise ZipFormatError(f"{m.name}: compressed members are not written by torch.save")
+    start = data_offset(source.read_at, m)
+    if start + m.size > source.length:
+        raise ZipFormatError(f"{m.name} runs past the end of the item")
+    return start
+
+
+def _check_crc(acc: _Accumulator, entry: StorageEntry, m: Member, crc: int) -> None:
+    if crc != m.crc32:
+        acc.problems.append(
+            ItemProblem(
+                "crc",
+                entry.key,
+                entry.relative_path,
+                f"member {m.name}: stored {m.crc32:08x}, computed {crc:08x}",
+            )
+        )
 
 
 def _scan_storage(
     source: _Source,
     start: int,
-    m: Any,
+    m: Member,
     record: TensorRecord,
     check: bool,
     workers: _Workers,
@@ -373,6 +440,12 @@ def _scan_storage(
 ) -> int:
     itemsize = DTYPE_ITEMSIZE.get(record.dtype, 1)
     numel = math.prod(record.shape)
+    # torch.load refuses a view that reaches past its storage; checked here, such a view would
+    # also leave its values unchecked (the window below lies outside the member).
+    last = sum((n - 1) * s for n, s in zip(record.shape, record.stride, strict=True))
+    extent = record.storage_offset + 1 + last if numel else 0
+    if extent * itemsize > m.size:
+        raise ZipFormatError(f"the tensor's view needs {extent * itemsize} bytes of {m.name}, which has {m.size}")
     # Values outside the tensor's view of its storage are not the tensor's business.
     lo, hi = record.storage_offset * itemsize, (record.storage_offset + numel) * itemsize
     scanned = source.scan(start, m.size, workers, _window(lo, hi, record.dtype, entry.key, check))
@@ -421,8 +494,29 @@ def _is_second_moment(key: str) -> bool:
     return key.rsplit(".", 1)[-1] in NON_NEGATIVE_STATE
 
 
-def _untransform(raw: bytes, entry: StorageEntry) -> bytes:
-    data = raw
+def _expanded_limit(ckpt: Checkpoint, entry: StorageEntry, acc: _Accumulator) -> int:
+    """The most bytes a transformed item may decompress to: its chunk as the metadata sizes it, plus the zip.
+
+    A bytes item has no size in the metadata; its data.pkl cap bounds it.
+    """
+    if entry.chunk_offsets is None:
+        return _PICKLE_CAP + _ZIP_SLACK
+    if acc.chunk_bytes is None:  # one pass over all chunks, not one per item
+        acc.chunk_bytes = {
+            (t.key, c.offsets): math.prod(c.sizes) * DTYPE_ITEMSIZE.get(t.dtype, 16)
+            for t in ckpt.tensors.values()
+            for c in t.chunks
+        }
+    return acc.chunk_bytes.get((entry.key, entry.chunk_offsets), _PICKLE_CAP) + _ZIP_SLACK
+
+
+def _untransform(raw: bytes, entry: StorageEntry, limit: int) -> bytearray:
+    """Undo the item's transforms, refusing to hold more than `limit` bytes.
+
+    A zstd frame of RLE blocks inflates 32 000 times (256 KiB -> 8 GiB), so the
+    output is read block by block and stops at the size the metadata allows.
+    """
+    data = bytearray(raw)
     for descriptor in entry.transforms:
         if descriptor.split("/")[0] != "stream.zstd":
             raise ZipFormatError(f"unknown transform {descriptor!r}")
@@ -430,7 +524,17 @@ def _untransform(raw: bytes, entry: StorageEntry) -> bytes:
             import zstandard
         except ImportError as exc:
             raise ZipFormatError("zstd transform but the zstandard module is missing") from exc
-        data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        out = bytearray()
+        try:
+            # One frame, as DCP writes it (stream_reader stops at its end, as decompressobj did).
+            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+                while block := reader.read(BLOCK_SIZE):
+                    out += block
+                    if len(out) > limit:
+                        raise ZipFormatError(f"decompresses to more than {limit} bytes, past the size of its chunk")
+        except zstandard.ZstdError as exc:
+            raise ZipFormatError(f"zstd: {exc}") from None
+        data = out
     return data
 
 

@@ -9,6 +9,7 @@ else, persistent ids included, raises `UnsafePickleError` before it is called.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 from collections.abc import Callable, Mapping
@@ -227,6 +228,147 @@ def load_metadata(data: bytes) -> MetadataStandIn:
 
 # --- records inside torch.save zips (data level) -------------------------------------
 
+# A data.pkl is walked opcode by opcode before the C unpickler runs it: that unpickler
+# trusts its input in ways a few hostile bytes turn into gigabytes, a crash or a hang.
+# It sizes its memo by the largest index it meets (9 bytes zero 1 GiB), hashes dict
+# keys and set items recursively with no depth check (a 300 000-deep tuple key is a
+# segfault on 3.11), and tuples do not cache their hash (a 370-byte key made of shared
+# tuples takes 2**60 steps). The walk bounds all three by the pickle's length.
+# Python's own pickler stops near 1 000 levels; tuple hashing crashes near 150 000.
+_MAX_NESTING = 10_000
+# Hashing work allowed per byte of pickle: real keys (names, small tuples) use ~1.
+_HASH_STEPS_PER_BYTE = 16
+_PUT_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_GET_OPCODES = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_LONG_OPCODES = frozenset({"LONG", "LONG1", "LONG4"})
+# Opcodes that change the object under their arguments instead of making a new one.
+_IN_PLACE_OPCODES = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD"})
+_EMPTY_CONTAINER_OPCODES = frozenset({"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"})
+# Opcodes that hash what they take: dict keys (SETITEM: [dict, key, value]; the others: key, value, ...)
+# and set items.
+_SET_OPCODES = frozenset({"ADDITEMS", "FROZENSET"})
+_KEYS_HASHED = frozenset({"SETITEM", "SETITEMS", "DICT"}) | _SET_OPCODES
+
+
+@functools.cache
+def _stack_effects() -> dict[str, tuple[int, bool, int, bool]]:
+    """Per opcode: items taken below a MARK, whether it takes a MARK, items taken otherwise, whether it pushes."""
+    import pickletools
+
+    effects = {}
+    for op in pickletools.opcodes:
+        before = op.stack_before
+        if pickletools.markobject in before:
+            effects[op.name] = (before.index(pickletools.markobject), True, 0, bool(op.stack_after))
+        else:
+            effects[op.name] = (0, False, len(before), bool(op.stack_after))
+    return effects
+
+
+def check_structure(data: bytes) -> None:
+    """Raise UnpicklingError if unpickling `data` would allocate, nest or hash far beyond its length.
+
+    Each object the pickle makes is a `[depth, cost]` pair that the stack and
+    the memo share, so DUP, GET and in-place opcodes see one object: its
+    nesting depth, and the steps hashing it takes (a tuple rehashes its items
+    every time, so its cost is the sum of theirs; a frozenset caches its hash).
+    """
+    import pickletools
+
+    limit = len(data)
+    budget = _HASH_STEPS_PER_BYTE * limit + (1 << 16)
+    effects = _stack_effects()
+    stack: list[list[int]] = []
+    marks: list[int] = []  # stack heights at each MARK, as in the C unpickler
+    # Immutable leaves (numbers, strings, globals) share one pair: a pickle of 30 million small ints
+    # must not cost 30 million lists here. Containers made empty and filled in place get their own.
+    leaf = [1, 1]
+    memo: dict[int, list[int]] = {}
+    hashed = 0
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            name = op.name
+            n_below, uses_mark, n_taken, pushes = effects[name]
+            fence = marks[-1] if marks else 0
+            if not (uses_mark or n_taken):  # pushes a new leaf, or touches only the memo or the marks
+                if name == "MARK":
+                    marks.append(len(stack))
+                elif pushes and name not in _GET_OPCODES:
+                    if name in _LONG_OPCODES and isinstance(arg, int) and arg.bit_length() >= 64:
+                        stack.append([1, 1 + arg.bit_length() // 64])  # int hashes are not cached either
+                    else:
+                        stack.append([1, 1] if name in _EMPTY_CONTAINER_OPCODES else leaf)
+                elif name in _PUT_OPCODES or name in _GET_OPCODES or name == "FRAME":
+                    if not isinstance(arg, int) or arg > limit:
+                        what = "frame length" if name == "FRAME" else "memo index"
+                        raise pickle.UnpicklingError(f"{what} {arg} at byte {pos} is larger than the pickle")
+                    if name in _GET_OPCODES:
+                        if arg not in memo:
+                            raise pickle.UnpicklingError(f"memo index {arg} at byte {pos} was never set")
+                        stack.append(memo[arg])
+                    elif name != "FRAME":
+                        if len(stack) <= fence:
+                            raise pickle.UnpicklingError("unpickling stack underflow")
+                        memo[arg] = stack[-1]
+                continue
+            if name == "POP" and marks and fence == len(stack):
+                marks.pop()  # POP right after a MARK drops the mark, as in the C unpickler
+                continue
+            if uses_mark:
+                if not marks:
+                    raise pickle.UnpicklingError("could not find MARK")
+                items = stack[fence:]
+                del stack[fence:]
+                marks.pop()
+                fence = marks[-1] if marks else 0
+                if len(stack) - n_below < fence:
+                    raise pickle.UnpicklingError("unpickling stack underflow")
+                below = stack[len(stack) - n_below:] if n_below else []
+                del stack[len(stack) - n_below:]
+            else:
+                if len(stack) - n_taken < fence:
+                    raise pickle.UnpicklingError("unpickling stack underflow")
+                below = []
+                if n_taken == 1:
+                    items = [stack.pop()]
+                else:
+                    items = stack[len(stack) - n_taken:]
+                    del stack[len(stack) - n_taken:]
+            if name in _KEYS_HASHED:
+                keys = items if name in _SET_OPCODES else items[1:2] if name == "SETITEM" else items[0::2]
+                hashed += sum(k[1] for k in keys)
+                if hashed > budget:
+                    raise pickle.UnpicklingError(f"hashing its keys takes more than {budget} steps (byte {pos})")
+            if name in _IN_PLACE_OPCODES:
+                container, added = (below[0], items) if below else (items[0], items[1:])
+                if container is leaf:  # BUILD on a shared leaf: it becomes an object of its own
+                    container = [1, 1]
+                if added:
+                    container[0] = max(container[0], 1 + max(a[0] for a in added))
+                    container[1] = min(budget + 1, container[1] + sum(a[1] for a in added))
+                made = container
+            elif name in ("DUP", "MEMOIZE"):  # the same object again, not a new one
+                made = items[0]
+                if name == "DUP":
+                    stack.append(made)
+                else:
+                    memo[len(memo)] = made
+            elif pushes:
+                nested, steps = 0, 0
+                for taken in (below, items):
+                    for t in taken:
+                        nested = t[0] if t[0] > nested else nested
+                        steps += t[1]
+                steps = 1 + len(items) if name == "FROZENSET" else min(budget + 1, 1 + steps)
+                made = [1 + nested, steps]
+            else:
+                continue
+            if made[0] > _MAX_NESTING:
+                raise pickle.UnpicklingError(f"objects nested more than {_MAX_NESTING} deep (byte {pos})")
+            stack.append(made)
+    except ValueError as exc:  # genops: unknown opcode, or an argument longer than what follows
+        raise pickle.UnpicklingError(f"malformed pickle: {exc}") from None
+
 
 @dataclass(frozen=True, slots=True)
 class StorageRef:
@@ -246,9 +388,11 @@ class TensorRecord:
     dtype: str
 
 
+@dataclass(frozen=True, slots=True)
 class _StorageType:
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
+    # Frozen, and without a __dict__: BUILD on this shared instance (slot state (None, {"dtype": ...}))
+    # would otherwise change how every later record in the process is read.
+    dtype: str
 
 
 _LEGACY_STORAGES = {
@@ -267,34 +411,60 @@ _LEGACY_STORAGES = {
 }
 
 
-def _rebuild_v2(
-    storage: object, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_rest: object
-) -> TensorRecord:
+def _sizes(value: object, what: str) -> tuple[int, ...]:
+    # torch writes sizes and strides as tuples of ints; anything else is not a tensor it saved,
+    # and would fail later in arithmetic (a string shape) or in a read at offset 2**64.
+    if not isinstance(value, tuple | list) or not all(type(v) is int and v >= 0 for v in value):
+        raise pickle.UnpicklingError(f"tensor {what} is not a sequence of non-negative integers")
+    return tuple(value)
+
+
+def _record(storage: object, offset: object, size: object, stride: object, dtype: str) -> TensorRecord:
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError("tensor without storage")
-    return TensorRecord(storage, int(offset), tuple(size), tuple(stride), storage.dtype)
+    if type(offset) is not int or offset < 0:
+        raise pickle.UnpicklingError("tensor storage offset is not a non-negative integer")
+    shape, strides = _sizes(size, "size"), _sizes(stride, "stride")
+    if len(shape) != len(strides):
+        raise pickle.UnpicklingError(f"tensor of {len(shape)} dimensions with {len(strides)} strides")
+    return TensorRecord(storage, offset, shape, strides, dtype)
+
+
+def _rebuild_v2(storage: object, offset: object, size: object, stride: object, *_rest: object) -> TensorRecord:
+    if not isinstance(storage, StorageRef):
+        raise pickle.UnpicklingError("tensor without storage")
+    return _record(storage, offset, size, stride, storage.dtype)
 
 
 def _rebuild_v3(
     storage: object,
-    offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
+    offset: object,
+    size: object,
+    stride: object,
     _requires_grad: object,
     _hooks: object,
     dtype: object,
     *_rest: object,
 ) -> TensorRecord:
-    if not isinstance(storage, StorageRef):
-        raise pickle.UnpicklingError("tensor without storage")
-    return TensorRecord(storage, int(offset), tuple(size), tuple(stride), str(dtype))
+    if not isinstance(dtype, DType):
+        raise pickle.UnpicklingError("tensor dtype is not a torch dtype")
+    return _record(storage, offset, size, stride, str(dtype))
+
+
+def _backward_hooks(*args: object) -> dict[str, object]:
+    """`OrderedDict()`: torch never saves hooks, and dict(args) would hash whatever args hold."""
+    if args:
+        raise pickle.UnpicklingError("backward hooks with contents")
+    return {}
 
 
 _TENSOR_GLOBALS: dict[tuple[str, str], object] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): _backward_hooks,
     ("torch", "UntypedStorage"): _StorageType("uint8"),
+    # dtypes without a legacy storage class (float8, uint16/32/64) go through _rebuild_tensor_v3 with this one.
+    ("torch.storage", "UntypedStorage"): _StorageType("uint8"),
     **{("torch", n): _StorageType(d) for n, d in _LEGACY_STORAGES.items()},
     **_DTYPE_GLOBALS,
 }
@@ -304,17 +474,45 @@ class _TensorUnpickler(_AllowListUnpickler):
     allowed = _TENSOR_GLOBALS
 
     def persistent_load(self, pid: object) -> Any:
+        # ("storage", storage type, key, location, numel); the key names the member data/<key>
+        # and must be a str: str() of a hostile list of shared lists is 2**60 characters long.
         if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType):
-            return StorageRef(pid[1].dtype, str(pid[2]), int(pid[4]))
+            key, numel = pid[2], pid[4]
+            if isinstance(key, str) and type(numel) is int and numel >= 0:
+                return StorageRef(pid[1].dtype, key, numel)
         raise UnsafePickleError("unexpected persistent id")
 
 
+def _unpickle(unpickler: type[_AllowListUnpickler], data: bytes) -> object:
+    check_structure(data)
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError:
+        raise
+    except MemoryError:  # the walk bounded every allocation by len(data): this process is out of memory
+        raise
+    except Exception as exc:  # allowed callables or opcodes given the wrong objects: TypeError, AttributeError, ...
+        raise pickle.UnpicklingError(f"{type(exc).__name__}: {exc}") from None
+
+
+# Records of same-shaped chunks are byte-identical: a verdict cached by bytes skips the walk
+# (~5x the unpickling itself: ~35 us for a record) for all but the first of them.
+_CACHED_RECORD_BYTES = 4096
+
+
 def load_tensor_record(data: bytes) -> TensorRecord:
-    """Read a saved tensor's `data.pkl` into a record; raise if it is anything else."""
-    obj = _TensorUnpickler(io.BytesIO(data)).load()
+    """Read a saved tensor's `data.pkl` into a record; raise UnpicklingError if it is anything else."""
+    return _cached_record(data) if len(data) <= _CACHED_RECORD_BYTES else _tensor_record(data)
+
+
+def _tensor_record(data: bytes) -> TensorRecord:
+    obj = _unpickle(_TensorUnpickler, data)
     if not isinstance(obj, TensorRecord):
         raise pickle.UnpicklingError(f"expected a tensor, found {type(obj).__name__}")
     return obj
+
+
+_cached_record = functools.lru_cache(maxsize=1024)(_tensor_record)
 
 
 class _PlainUnpickler(_AllowListUnpickler):
@@ -322,8 +520,8 @@ class _PlainUnpickler(_AllowListUnpickler):
 
 
 def load_plain(data: bytes) -> object:
-    """Read a bytes item made only of builtins (lists of names, floats, bools)."""
-    return _PlainUnpickler(io.BytesIO(data)).load()
+    """Read a bytes item made only of builtins (lists of names, floats, bools); raise UnpicklingError if not."""
+    return _unpickle(_PlainUnpickler, data)
 
 
 LoadFn = Callable[[bytes], object]

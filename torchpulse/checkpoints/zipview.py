@@ -57,6 +57,7 @@ def central_directory(read_at: ReadAt, length: int) -> list[Member]:
         raise ZipFormatError("central directory past the end of the item")
     cd = read_at(cd_offset, cd_size)
     members: list[Member] = []
+    names: set[str] = set()
     at = 0
     for _ in range(count):
         if cd[at : at + 4] != _CENTRAL:
@@ -69,6 +70,11 @@ def central_directory(read_at: ReadAt, length: int) -> list[Member]:
             usize, csize, local = _zip64_extra(extra, usize, csize, local)
         if csize != usize and method == 0:
             raise ZipFormatError(f"{name}: stored member with two sizes")
+        if name in names:
+            # torch.save never writes one; which copy a reader takes is up to the reader, so the
+            # copy checked here need not be the one torch.load reads.
+            raise ZipFormatError(f"{name}: two members with this name")
+        names.add(name)
         members.append(Member(name, crc, csize, method, local))
         at += 46 + nlen + elen + clen
     return members
@@ -80,6 +86,9 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, local: int) -> tuple[int,
         tag, size = struct.unpack_from("<HH", extra, at)
         if tag == 1:
             fields = list(struct.unpack_from(f"<{size // 8}Q", extra, at + 4))
+            wanted = [usize, csize, local].count(0xFFFFFFFF)
+            if len(fields) < wanted:
+                raise ZipFormatError(f"zip64 extra holds {len(fields)} of the {wanted} sizes it should")
             if usize == 0xFFFFFFFF:
                 usize = fields.pop(0)
             if csize == 0xFFFFFFFF:
