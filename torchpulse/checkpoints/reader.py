@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import io
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -95,9 +98,31 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def open_regular(path: Path) -> io.BufferedReader:
+    """Open a file the listing saw as regular; ValueError (a finding) if it no longer is one.
+
+    The directory can change after the listing: a FIFO swapped in would block a
+    plain open() for ever, and a symlink could lead out of the checkpoint.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            raise ValueError(f"{path.name} is not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
     """Read and safely unpickle one metadata file; raise ValueError if over `size_cap`."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read(size_cap + 1)
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
@@ -246,7 +271,7 @@ _HEADER_CAP = 100 << 20
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """Return the JSON header of a safetensors file and where its data starts."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("file shorter than the safetensors header length")
