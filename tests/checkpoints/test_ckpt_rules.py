@@ -221,6 +221,15 @@ def test_step_values_and_state_values() -> None:
     assert ["TP-CKPT-016", "TP-CKPT-021"] == rules(found)
 
 
+def test_a_step_too_large_for_a_float_is_reported_not_raised() -> None:
+    """A hostile bytes item `step = 10**400`: float() of it raises OverflowError; the rule still reports."""
+    layout = optimizer.parse_layout(optim_checkpoint())
+    items = {"optim.state.w.step": StoredBytes("optim.state.w.step", True, 10**400),
+             "optim.state.b.step": StoredBytes("optim.state.b.step", True, 3)}
+    (found,) = optimizer.step_consistency(layout, [], items)
+    assert found.rule == "TP-CKPT-016" and "3 for 1 (b)" in found.message and "1000000" in found.message
+
+
 def test_no_optimizer_state_is_an_info_finding() -> None:
     """A model-only checkpoint says so instead of passing silently."""
     findings = metadata_findings(checkpoint([tensor("model.w", (2,))]))

@@ -191,7 +191,8 @@ def step_consistency(
     items: Mapping[str, StoredBytes],
 ) -> list[Finding]:
     """TP-CKPT-016: every parameter of one optimizer took the same number of steps."""
-    steps: dict[str, dict[float, list[str]]] = defaultdict(lambda: defaultdict(list))
+    # Keyed by the value itself (1 == 1.0 share a key): float() of a hostile 10**400 raises.
+    steps: dict[str, dict[int | float, list[str]]] = defaultdict(lambda: defaultdict(list))
     scalars = {t.key: t.scalar for t in tensors if t.scalar is not None}
     for key, sk in layout.state.items():
         if sk.name != "step":
@@ -202,13 +203,22 @@ def step_consistency(
         elif key in items and items[key].verifiable:
             value = items[key].value
         if isinstance(value, int | float) and not isinstance(value, bool):
-            steps[sk.optimizer][float(value)].append(sk.param)
+            steps[sk.optimizer][value].append(sk.param)
     out: list[Finding] = []
     for opt, by_value in sorted(steps.items()):
         if len(by_value) > 1:
-            summary = "; ".join(f"{v:g} for {len(p)} ({', '.join(sorted(p)[:3])})" for v, p in sorted(by_value.items()))
+            summary = "; ".join(f"{_number(v)} for {len(p)} ({', '.join(sorted(p)[:3])})"
+                                for v, p in sorted(by_value.items()))
             out.append(error("TP-CKPT-016", opt, f"step differs across parameters: {summary}"))
     return out
+
+
+def _number(value: int | float) -> str:
+    try:
+        return f"{value:g}"
+    except OverflowError:  # an int too large for a float: its first digits are enough
+        digits = str(value) if isinstance(value, int) and value.bit_length() < 4096 else "a huge integer"
+        return digits[:24] + ("..." if len(digits) > 24 else "")
 
 
 def state_values(layout: OptimizerLayout, tensors: Sequence[StoredTensor]) -> list[Finding]:
