@@ -11,11 +11,9 @@ combined. torch is imported only here, lazily, and only to look at numbers
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import pickle
-import stat
 import struct
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -34,6 +32,7 @@ from torchpulse.checkpoints.model import (
     StoredBytes,
     StoredTensor,
 )
+from torchpulse.checkpoints.reader import open_regular_fd
 from torchpulse.checkpoints.rules.optimizer import NON_NEGATIVE_STATE
 from torchpulse.checkpoints.unpickler import (
     DTYPE_ITEMSIZE,
@@ -330,29 +329,15 @@ def _read_files(
 
 
 def _open_as_listed(path: Path, listed: FileInfo) -> int | None:
-    """A descriptor on `path` if it is still the regular file the listing saw; None if it is no regular file.
-
-    The listing kept only regular files, but the directory can change before
-    the read: O_NONBLOCK keeps a FIFO swapped in from blocking open() forever,
-    O_NOFOLLOW keeps a symlink from leading out. Any other error (EACCES,
-    ENOENT after a delete, EIO) propagates: the validator cannot tell, which
-    is not the same as an invalid checkpoint.
-    """
+    """A descriptor on `path` if it is still the regular file the listing saw; None if it is no regular file."""
+    opened = open_regular_fd(path)
+    if opened is None:
+        return None
+    fd, st = opened
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
-            return None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return None
         _check_as_listed(st, path, listed)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        os.close(fd)
         raise
     return fd
 

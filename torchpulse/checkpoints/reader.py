@@ -98,26 +98,38 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def open_regular(path: Path) -> io.BufferedReader:
-    """Open a file the listing saw as regular; ValueError (a finding) if it no longer is one.
+def open_regular_fd(path: Path) -> tuple[int, os.stat_result] | None:
+    """A descriptor on `path` and its stat if it is a regular file; None if it no longer is one.
 
-    The directory can change after the listing: a FIFO swapped in would block a
-    plain open() for ever, and a symlink could lead out of the checkpoint.
+    The directory can change after the listing: O_NONBLOCK keeps a FIFO swapped
+    in from blocking open() for ever, O_NOFOLLOW keeps a symlink from leading
+    out of the checkpoint. Any other error (EACCES, ENOENT after a delete, EIO)
+    propagates: the validator cannot tell, which is not an invalid checkpoint.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
-            raise ValueError(f"{path.name} is not a regular file") from None
+            return None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path.name} is not a regular file")
-        os.set_blocking(fd, True)
-        return open(fd, "rb", closefd=True)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            os.set_blocking(fd, True)
+            return fd, st
     except BaseException:
         os.close(fd)
         raise
+    os.close(fd)
+    return None
+
+
+def open_regular(path: Path) -> io.BufferedReader:
+    """`open_regular_fd` as a file object; ValueError (a finding) if `path` is no regular file."""
+    opened = open_regular_fd(path)
+    if opened is None:
+        raise ValueError(f"{path.name} is not a regular file")
+    return open(opened[0], "rb", closefd=True)
 
 
 def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
