@@ -17,6 +17,7 @@ from typing import TextIO
 
 from torchpulse.checkpoints.model import Level, Status, ValidationResult
 from torchpulse.checkpoints.rules import RULES
+from torchpulse.terminal import printable
 
 EXIT_VALID, EXIT_INVALID, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
 _EXIT = {
@@ -46,19 +47,6 @@ class ProgressBar:
     def close(self) -> None:
         self.stream.write("\r" + " " * 60 + "\r")
         self.stream.flush()
-
-
-def printable(text: str) -> str:
-    """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`, `\\udcff`).
-
-    Paths, keys and zip member names come from the checkpoint: raw, an escape
-    sequence would drive the reader's terminal (retitle, clear, hide lines),
-    a right-to-left override would reorder the line, and a file name that is
-    not UTF-8 (a lone surrogate here) would make print() raise.
-    """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def render_text(result: ValidationResult) -> str:

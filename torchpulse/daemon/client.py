@@ -16,6 +16,7 @@ from torchpulse.protocol import (
     decode_daemon_frame,
     encode,
 )
+from torchpulse.terminal import printable
 
 T = TypeVar("T", StatusReply, CtlReply)
 
@@ -66,20 +67,13 @@ def format_status(reply: StatusReply) -> str:
         lines.append("no runs connected")
     for run in reply.runs:
         state = "ended" if run.ended else "running"
-        lines.append(f"run {_printable(run.run)} ({state}, world size {run.world_size})")
+        lines.append(f"run {printable(run.run)} ({state}, world size {run.world_size})")
         lines.append(f"  {'rank':>4}  {'state':<12} {'pid':>8}  {'host':<16} {'received':>10} {'dropped':>8}")
         for rank in run.ranks:
             status = "connected" if rank.connected else f"gone {_duration(rank.last_seen_seconds_ago)}"
-            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {_printable(rank.host)[:16]:<16} "
+            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {printable(rank.host)[:16]:<16} "
                          f"{rank.events_received:>10} {rank.events_dropped:>8}")
     return "\n".join(lines)
-
-
-def _printable(text: str) -> str:
-    """Agents name runs and hosts: a newline or an escape sequence must not reach the terminal raw."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _duration(seconds: float) -> str:
@@ -98,10 +92,10 @@ def send_ctl(path: Path, request: CtlRequest, timeout: float) -> CtlReply:
 
 def format_ctl(reply: CtlReply) -> str:
     if not reply.results:
-        return f"run {_printable(reply.run)}: no such run, or no ranks connected"
+        return f"run {printable(reply.run)}: no such run, or no ranks connected"
     lines = []
     for result in reply.results:
         data = " ".join(f"{k}={v}" for k, v in sorted(result.data.items()))
         line = f"rank {result.rank:>3}  {result.status:<13} {result.message}" + (f"  {data}" if data else "")
-        lines.append(_printable(line))
+        lines.append(printable(line))
     return "\n".join(lines)
