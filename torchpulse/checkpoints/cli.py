@@ -1,20 +1,18 @@
 """`torchpulse check PATH [--level metadata|data|load] [--format text|json]`.
 
-Exit status: 0 valid (warnings allowed), 1 invalid, 3 incomplete, 2 usage or I/O error.
+Exit status: 0 valid (warnings allowed), 1 invalid, 3 incomplete, 2 usage or I/O error, or the
+validator crashed (cannot tell).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TextIO
 
+from torchpulse.checkpoints.isolated import CLEAR_LINE, ValidatorFailed, validate_isolated
 from torchpulse.checkpoints.model import Level, Status, ValidationResult
 from torchpulse.checkpoints.rules import RULES
 from torchpulse.terminal import printable
@@ -26,27 +24,6 @@ _EXIT = {
     Status.INCOMPLETE: EXIT_INCOMPLETE,
     Status.ERROR: EXIT_ERROR,
 }
-
-
-class ProgressBar:
-    """A one-line byte counter on stderr, drawn at most 10 times a second."""
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total, self.done, self.stream, self.last = max(total, 1), 0, stream, 0.0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= 0.1 or self.done >= self.total:
-            self.last = now
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(frac * 30)
-            self.stream.write(f"\r[{bar:<30}] {frac:6.1%} {self.done >> 20} MiB")
-            self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\r" + " " * 60 + "\r")
-        self.stream.flush()
 
 
 def render_text(result: ValidationResult) -> str:
@@ -71,17 +48,6 @@ def render_text(result: ValidationResult) -> str:
     return "\n".join(lines)
 
 
-def _listed_bytes(path: str) -> int:
-    """Total size of the regular files in `path`, for the progress bar only (0 if they cannot be listed)."""
-    total = 0
-    with contextlib.suppress(OSError), os.scandir(path) as it:
-        for e in it:
-            with contextlib.suppress(OSError):
-                if e.is_file(follow_symlinks=False):
-                    total += e.stat(follow_symlinks=False).st_size
-    return total
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchpulse check", description=__doc__.splitlines()[0])
     p.add_argument("path", help="checkpoint directory")
@@ -91,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """Validate one checkpoint directory in this process and print the result."""
+    """Validate one checkpoint directory in a child process (see `isolated`) and print the result."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
@@ -99,27 +65,12 @@ def main(argv: list[str]) -> int:
     if not Path(args.path).is_dir():
         print(f"torchpulse check: {printable(args.path)}: not a directory", file=sys.stderr)
         return EXIT_ERROR
-    from torchpulse.checkpoints.validate import Options, validate
-
-    level = Level(args.level)
-    bar: ProgressBar | None = None
-    if level is not Level.METADATA and sys.stderr.isatty():
-        bar = ProgressBar(_listed_bytes(args.path), sys.stderr)
     try:
-        result = validate(args.path, level, Options(progress=bar))
-    except (OSError, MemoryError) as exc:
-        # The validator could not finish: nothing is known about the checkpoint ("cannot tell").
-        print(f"torchpulse check: {printable(str(exc) or type(exc).__name__)}", file=sys.stderr)
+        result = validate_isolated(args.path, Level(args.level))
+    except ValidatorFailed as exc:
+        # A child killed mid-way leaves its progress bar on the line.
+        print(f"{CLEAR_LINE if sys.stderr.isatty() else ''}torchpulse check: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except Exception as exc:
-        # A bug of the validator, not a verdict on the checkpoint: a traceback and Python's exit
-        # status 1 would read as "invalid".
-        print(f"torchpulse check: internal error: {type(exc).__name__}: {printable(str(exc))[:500]}",
-              file=sys.stderr)
-        return EXIT_ERROR
-    finally:
-        if bar is not None:
-            bar.close()
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
     else:
