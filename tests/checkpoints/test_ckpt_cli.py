@@ -131,3 +131,19 @@ def test_a_validator_failure_is_exit_2_without_a_traceback(single_root: Path, tm
         assert (b"", 1) == (proc.stdout, len(proc.stderr.splitlines()))
     else:  # once the rule copes with it: a finding, with the whole JSON result
         assert (1, "invalid") == (proc.returncode, json.loads(proc.stdout)["status"])
+
+
+def test_text_summary_counts_findings_that_were_not_listed() -> None:
+    """Past the per-rule cap the summary line and the rule's "(N)" give the true number, not the listed one."""
+    from torchpulse.checkpoints.cli import render_text
+    from torchpulse.checkpoints.model import Finding, Severity, ValidationResult
+    from torchpulse.checkpoints.validate import MAX_FINDINGS_PER_RULE, capped
+
+    findings = [Finding("TP-CKPT-007", Severity.ERROR, f"w.{i}", "chunk without a storage entry")
+                for i in range(MAX_FINDINGS_PER_RULE + 250)]
+    listed, counts = capped(findings)
+    result = ValidationResult("/ckpt", Status.INVALID, Level.METADATA, tuple(listed), {}, counts)
+    lines = render_text(result).splitlines()
+    total = MAX_FINDINGS_PER_RULE + 250
+    assert (f"{total} error;" in lines[0], lines[1].endswith(f"({total})"), lines[-1].strip()) == (
+        True, True, "error   ... and 250 more findings of this rule omitted")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from hypothesis import given
@@ -21,7 +22,14 @@ from torchpulse.checkpoints.model import (
     TensorEntry,
 )
 from torchpulse.checkpoints.rules import commit, optimizer, tiling
-from torchpulse.checkpoints.validate import metadata_findings, status_of
+from torchpulse.checkpoints.validate import (
+    MAX_FINDING_TEXT,
+    MAX_FINDINGS_PER_RULE,
+    MAX_LISTED_JSON_BYTES,
+    capped,
+    metadata_findings,
+    status_of,
+)
 
 
 def tensor(key: str, size: tuple[int, ...], *chunks: Chunk, dtype: str = "float32") -> TensorEntry:
@@ -172,6 +180,31 @@ def test_chunk_without_storage_entry() -> None:
     ckpt = checkpoint([t], [StorageEntry("w", (0,), "__0_0.distcp", 0, 10)])
     assert ["TP-CKPT-009"] == rules(commit.chunks_without_storage(ckpt))
 
+
+
+def test_findings_past_the_cap_of_their_rule_are_counted_and_summarised() -> None:
+    """1,500 errors of one rule list 1,000 and one summary of the same severity; a small rule is listed whole."""
+    findings = [Finding("TP-CKPT-009", Severity.ERROR, "w", f"chunk at [{i}] has no storage") for i in range(1500)]
+    findings += [Finding("TP-CKPT-003", Severity.WARNING, ".metadata.tmp", "stale")] * 3
+    listed, counts = capped(findings)
+    errors = [f for f in listed if f.rule == "TP-CKPT-009"]
+    assert {("TP-CKPT-009", "error"): 1500, ("TP-CKPT-003", "warning"): 3} == counts
+    assert (MAX_FINDINGS_PER_RULE + 1, findings[:MAX_FINDINGS_PER_RULE]) == (len(errors), errors[:-1])
+    assert Finding("TP-CKPT-009", Severity.ERROR, "", "... and 500 more findings of this rule omitted") == errors[-1]
+    assert (3, Status.INVALID) == (sum(f.rule == "TP-CKPT-003" for f in listed), status_of(listed))
+
+
+def test_megabyte_keys_and_non_ascii_text_stay_inside_the_listed_bytes_budget() -> None:
+    """Forty rules of 1,000 findings on a 10 MB non-ASCII key: text cut, JSON bounded, every finding counted."""
+    key = "\u00e9" * 10_000_000
+    findings = [Finding(f"TP-X-{r}", Severity.ERROR, key, "\u00e9" * 5000) for r in range(40) for _ in range(1000)]
+    listed, counts = capped(findings)
+    summaries = [f for f in listed if f.message.endswith("more findings of this rule omitted")]
+    assert (40, {1000}) == (len(counts), set(counts.values()))
+    assert MAX_FINDING_TEXT + 40 > max(max(len(f.subject), len(f.message)) for f in listed)
+    assert len(json.dumps([f.to_json() for f in listed])) < MAX_LISTED_JSON_BYTES + (64 << 10)
+    omitted = sum(int(f.message.split()[2].replace(",", "")) for f in summaries)
+    assert 40_000 == len(listed) - len(summaries) + omitted
 
 def optim_checkpoint(exp_avg_shape: tuple[int, ...] = (4, 2), with_bias_exp_avg: bool = True) -> Checkpoint:
     tensors = [

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import sys
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
-from torchpulse.checkpoints.model import Level, Status, ValidationResult
+from torchpulse.checkpoints.model import Level, Severity, Status, ValidationResult
+from torchpulse.checkpoints.validate import MAX_FINDINGS_PER_RULE
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 
@@ -50,3 +53,34 @@ def test_a_failing_worker_reports_the_last_line_of_its_stderr(monkeypatch: pytes
     got, peak = _validate_traced()
     assert (Status.ERROR, "worker failed: MemoryError: out of memory") == (got.status, got.findings[0].message)
     assert peak < 1 * MIB
+
+
+def _chunks_without_storage(directory: Path, chunks: int) -> None:
+    """A committed checkpoint whose one tensor has `chunks` chunks and not one storage entry."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    pieces = [ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(chunks)]
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([chunks]), pieces)
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"w": tensor}, storage_data={})))
+
+
+def test_more_findings_than_the_output_cap_holds_are_summarised_not_a_failed_worker(tmp_path: Path) -> None:
+    """150,000 chunks without storage (21 MB of findings listed): invalid, 1,000 listed, the true count kept."""
+    chunks = 150_000
+    _chunks_without_storage(tmp_path / "ckpt", chunks)
+    limits = Limits(timeout_seconds=120)
+    result = asyncio.run(checkpoint_runner.validate(str(tmp_path / "ckpt"), Level.METADATA, limits))
+    listed = [f for f in result.findings if f.rule == "TP-CKPT-009"]
+    omitted = chunks - MAX_FINDINGS_PER_RULE
+    assert (Status.INVALID, MAX_FINDINGS_PER_RULE + 1) == (result.status, len(listed)), result.findings[:1]
+    assert (Severity.ERROR, f"... and {omitted:,} more findings of this rule omitted") == (
+        listed[-1].severity, listed[-1].message)
+    assert chunks == result.finding_counts()[("TP-CKPT-009", "error")]
+    assert len(json.dumps(result.to_json())) < MIB

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.watcher.conftest import commit_copy
-from torchpulse.checkpoints.model import Level, Status, ValidationResult
+from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.protocol import CheckpointSaved
 
 
@@ -313,3 +314,33 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
     store = StateStore(tmp_path / "state")
     assert store.key_of(str(steps[1])) is not None
     store.close()
+
+
+def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
+        tmp_path: Path, saved_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker lists 1,000 of 150,000 findings and a summary: the series and the log say 150,000."""
+    from structlog.testing import capture_logs
+
+    listed = [Finding("TP-CKPT-009", Severity.ERROR, "w", f"chunk at [{i}] has no storage entry") for i in range(1000)]
+    listed.append(Finding("TP-CKPT-009", Severity.ERROR, "", "... and 149,000 more findings of this rule omitted"))
+
+    async def capped_worker(path: str, level: Level, limits: Limits) -> ValidationResult:
+        return ValidationResult(path, Status.INVALID, level, tuple(listed), {"bytes": 10},
+                                counts={("TP-CKPT-009", "error"): 150_000})
+
+    monkeypatch.setattr(checkpoint_runner, "validate", capped_worker)
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        commit_copy(saved_checkpoint, root / "step-1")
+        await _until(lambda: service.stats.root(str(root)).last_status == "invalid")
+        collected = CheckpointCollector(service.stats).collect()
+        family = next(m for m in collected if m.name == "torchpulse_checkpoint_findings")
+        assert [({"root": str(root), "rule": "TP-CKPT-009", "severity": "error"}, 150_000.0)] == [
+            (s.labels, s.value) for s in family.samples]
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert [150_000] == [e["findings"] for e in logs if e["event"] == "checkpoint validated"]

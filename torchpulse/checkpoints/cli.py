@@ -28,9 +28,13 @@ _EXIT = {
 
 def render_text(result: ValidationResult) -> str:
     """A summary line, then findings grouped by rule (every name escaped, see `printable`)."""
+    # True numbers: past validate.MAX_FINDINGS_PER_RULE a rule's findings are counted, not listed.
+    true_counts = result.finding_counts()
     counts: dict[str, int] = defaultdict(int)
-    for f in result.findings:
-        counts[f.severity.value] += 1
+    per_rule: dict[str, int] = defaultdict(int)
+    for (rule, severity), n in true_counts.items():
+        counts[severity] += n
+        per_rule[rule] += n
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no findings"
     stats = result.stats
     lines = [
@@ -43,7 +47,7 @@ def render_text(result: ValidationResult) -> str:
         subject = f"{printable(f.subject)}: " if f.subject else ""
         by_rule[f.rule].append(f"    {f.severity.value:<7} {subject}{printable(f.message)}")
     for rule in sorted(by_rule):
-        lines.append(f"  {printable(rule)} {RULES.get(rule, '')} ({len(by_rule[rule])})")
+        lines.append(f"  {printable(rule)} {RULES.get(rule, '')} ({per_rule[rule]})")
         lines.extend(by_rule[rule])
     return "\n".join(lines)
 

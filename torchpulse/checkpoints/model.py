@@ -7,6 +7,7 @@ worker serialises it. Nothing imports torch.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
@@ -168,6 +169,15 @@ class ValidationResult:
     level: Level
     findings: tuple[Finding, ...]
     stats: Mapping[str, float | int | str]
+    # The true number of findings per (rule, severity value), listed or not: validate lists
+    # at most MAX_FINDINGS_PER_RULE of a rule. None: `findings` lists them all.
+    counts: Mapping[tuple[str, str], int] | None = None
+
+    def finding_counts(self) -> dict[tuple[str, str], int]:
+        """How many findings of each (rule, severity value) the checkpoint has, listed or not."""
+        if self.counts is not None:
+            return dict(self.counts)
+        return dict(Counter((f.rule, f.severity.value) for f in self.findings))
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -175,6 +185,10 @@ class ValidationResult:
             "status": self.status.value,
             "level": self.level.value,
             "findings": [f.to_json() for f in self.findings],
+            "finding_counts": [
+                {"rule": rule, "severity": severity, "count": n}
+                for (rule, severity), n in sorted(self.finding_counts().items())
+            ],
             "stats": dict(self.stats),
         }
 
@@ -184,6 +198,11 @@ class ValidationResult:
         assert isinstance(raw_findings, list)
         stats = obj.get("stats", {})
         assert isinstance(stats, dict)
+        raw_counts = obj.get("finding_counts")
+        counts: dict[tuple[str, str], int] | None = None
+        if raw_counts is not None:
+            assert isinstance(raw_counts, list)
+            counts = {(str(c["rule"]), Severity(str(c["severity"])).value): int(c["count"]) for c in raw_counts}
         return cls(
             path=str(obj["path"]),
             status=Status(str(obj["status"])),
@@ -198,4 +217,5 @@ class ValidationResult:
                 for f in raw_findings
             ),
             stats=stats,
+            counts=counts,
         )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final
 
 from torchpulse.checkpoints.data_reader import Progress, read_data
 from torchpulse.checkpoints.model import (
@@ -20,6 +23,17 @@ from torchpulse.checkpoints.model import (
 from torchpulse.checkpoints.reader import gc_paused, read_checkpoint
 from torchpulse.checkpoints.rules import INCOMPLETE_RULES, commit, data, optimizer, tiling
 from torchpulse.checkpoints.unpickler import DEFAULT_METADATA_SIZE_CAP
+
+# A hostile or badly broken checkpoint can have millions of findings (one per chunk).
+# Listed, they would overflow the daemon's 16 MiB cap on a worker's result (a "worker
+# failed" instead of "invalid") and print millions of lines; past these caps they are
+# counted (ValidationResult.counts) and summarised, one finding per rule and severity.
+MAX_FINDINGS_PER_RULE: Final = 1000
+# A subject or message longer than this is cut: a tensor key can be megabytes long.
+MAX_FINDING_TEXT: Final = 1000
+# All listed findings together, as JSON: a bound on the result's size however long or
+# non-ASCII (escaped, six bytes a character) their text, well inside the daemon's 16 MiB.
+MAX_LISTED_JSON_BYTES: Final = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +55,44 @@ def status_of(findings: Sequence[Finding]) -> Status:
     if any(f.severity is Severity.ERROR for f in findings):
         return Status.INVALID
     return Status.VALID
+
+
+def _shortened(finding: Finding) -> Finding:
+    def cut(text: str) -> str:
+        if len(text) <= MAX_FINDING_TEXT:
+            return text
+        return f"{text[:MAX_FINDING_TEXT]}... ({len(text) - MAX_FINDING_TEXT:,} more characters)"
+
+    if len(finding.subject) <= MAX_FINDING_TEXT and len(finding.message) <= MAX_FINDING_TEXT:
+        return finding
+    return replace(finding, subject=cut(finding.subject), message=cut(finding.message))
+
+
+def capped(findings: Sequence[Finding]) -> tuple[list[Finding], dict[tuple[str, str], int]]:
+    """The findings to list (in order, then one summary per capped rule and severity), and the true counts."""
+    counts = Counter((f.rule, f.severity.value) for f in findings)
+    # Only the first of each rule are even looked at: past the byte budget the rest of
+    # a million would otherwise each be encoded, to be left out all the same.
+    seen: Counter[tuple[str, str]] = Counter()
+    listed: Counter[tuple[str, str]] = Counter()
+    budget = MAX_LISTED_JSON_BYTES
+    kept: list[Finding] = []
+    for finding in findings:
+        key = (finding.rule, finding.severity.value)
+        if seen[key] >= MAX_FINDINGS_PER_RULE:
+            continue
+        seen[key] += 1
+        finding = _shortened(finding)
+        size = len(json.dumps(finding.to_json()))
+        if size <= budget:
+            budget -= size
+            listed[key] += 1
+            kept.append(finding)
+    for (rule, severity), n in counts.items():
+        if omitted := n - listed[(rule, severity)]:
+            message = f"... and {omitted:,} more findings of this rule omitted"
+            kept.append(Finding(rule, Severity(severity), "", message))
+    return kept, dict(counts)
 
 
 def metadata_findings(ckpt: Checkpoint) -> list[Finding]:
@@ -118,10 +170,14 @@ def validate(
 
             findings += load_findings(ckpt)
     stats["duration_seconds"] = round(time.monotonic() - started, 6)
+    # The verdict is taken over every finding, before any is left unlisted.
+    status = status_of(findings)
+    listed, counts = capped(findings)
     return ValidationResult(
         path=str(path),
-        status=status_of(findings),
+        status=status,
         level=level,
-        findings=tuple(findings),
+        findings=tuple(listed),
         stats=stats,
+        counts=counts,
     )

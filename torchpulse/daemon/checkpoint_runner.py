@@ -67,7 +67,7 @@ async def validate(path: str, level: Level, limits: Limits) -> ValidationResult:
         return error_result(path, level, f"worker failed: {message[:300]}", started)
     try:
         return ValidationResult.from_json(json.loads(line))
-    except (ValueError, KeyError, AssertionError) as exc:
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
         return error_result(path, level, f"worker answered garbage: {exc!r}"[:300], started)
 
 

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -348,12 +347,13 @@ class CheckpointService:
 
     def _record(self, path: str, root: str | None, key: str, committed_at: float, result: ValidationResult,
                 elapsed: float) -> None:
-        findings = Counter((f.rule, f.severity.value) for f in result.findings)
+        # The true counts: `result.findings` lists at most validate.MAX_FINDINGS_PER_RULE of a rule.
+        findings = result.finding_counts()
         stats = result.stats
         record = Record(path=path, root=self._label(root), key=key, status=result.status.value,
                         level=result.level.value, validated_at=time.time(), committed_at=committed_at,
                         bytes=int(stats.get("bytes", 0)), duration_seconds=round(elapsed, 6),
-                        findings=dict(findings))
+                        findings=findings)
         assert self._store is not None
         if self._store.save(record):
             self._unsaved.pop(path, None)
@@ -362,7 +362,7 @@ class CheckpointService:
         self.stats.record(record)
         level = "info" if result.status.value == "valid" else "warning"
         getattr(log, level)("checkpoint validated", path=path, root=record.root, status=record.status,
-                            validation_level=record.level, findings=len(result.findings), bytes=record.bytes,
+                            validation_level=record.level, findings=sum(findings.values()), bytes=record.bytes,
                             duration_seconds=record.duration_seconds,
                             first_finding=result.findings[0].message[:300] if result.findings else None)
 
