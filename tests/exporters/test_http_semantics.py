@@ -43,6 +43,12 @@ def test_head_answers_carry_no_body_on_any_path(daemon: DaemonProcess, path: str
     assert after_head.endswith(b"\r\n\r\nok\n")
 
 
+def test_lines_ended_by_a_bare_lf_are_understood(daemon: DaemonProcess) -> None:
+    """RFC 9112 2.2: a server may take a lone LF as a line's end; `printf ... | nc` users write them."""
+    headers, body = _split(_exchange(daemon, b"\r\nGET /healthz HTTP/1.1\nConnection: close\n\n"))
+    assert ("close", b"ok\n") == (headers["connection"], body)
+
+
 def test_http_1_0_requests_are_answered_and_closed(daemon: DaemonProcess) -> None:
     """An HTTP/1.0 request without keep-alive gets its answer and then the end of the connection."""
     headers, body = _split(_exchange(daemon, b"GET /healthz HTTP/1.0\r\n\r\n"))

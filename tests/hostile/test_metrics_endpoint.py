@@ -112,28 +112,53 @@ def test_many_concurrent_scrapes_all_answer_and_ingest_continues(daemon: DaemonP
     assert 64 * 4 == answered
 
 
+# Each bad request, and the status it is answered with before its connection is closed.
 BAD_REQUESTS = {
-    "header_over_8k": b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * MAX_HEADER_BYTES) + b"\r\n\r\n",
-    "megabyte_without_crlf": b"G" * (1 << 20),
-    "request_with_a_body": b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
-    "malformed_request_line": b"GET\r\n\r\n",
-    "binary_garbage": bytes(range(256)) * 64 + b"\r\n\r\n",
+    "header_over_8k": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * MAX_HEADER_BYTES) + b"\r\n\r\n", 431),
+    "headers_over_8k_in_all": (b"GET /metrics HTTP/1.1\r\n" + b"X-Many: 12345678\r\n" * 1000 + b"\r\n", 431),
+    "target_over_8k": (b"GET /" + b"a" * (2 * MAX_HEADER_BYTES) + b" HTTP/1.1\r\n\r\n", 414),
+    "megabyte_without_crlf": (b"G" * (1 << 20), 400),
+    "request_with_a_body": (b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", 413),
+    "chunked_body": (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 413),
+    "malformed_request_line": (b"GET\r\n\r\n", 400),
+    # No blank line after it: answered at once, not after the header timeout.
+    "missing_http_version": (b"GET /metrics\r\n", 400),
+    "http_2_preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
+    "header_without_colon": (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+    "content_length_not_a_number": (b"GET /metrics HTTP/1.1\r\nContent-Length: \xb2\r\n\r\n", 400),
+    "binary_garbage": (bytes(range(256)) * 64 + b"\r\n\r\n", 400),
 }
 
 
+def _answer(sock: socket.socket, within: float) -> tuple[bytes, bool]:
+    """What the server sent, and whether it closed the connection within `within` seconds."""
+    sock.settimeout(within)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except (ConnectionResetError, BrokenPipeError):
+        return b"".join(chunks), True
+    except TimeoutError:
+        return b"".join(chunks), False
+    return b"".join(chunks), True
+
+
 @pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
-def test_oversized_and_malformed_requests_are_dropped_without_harm(daemon: DaemonProcess, name: str) -> None:
-    """Each bad request ends its connection within the header timeout; the daemon keeps answering."""
+def test_oversized_and_malformed_requests_are_answered_then_closed(daemon: DaemonProcess, name: str) -> None:
+    """Each bad request gets its 4xx/5xx answer and the end of its connection; the daemon keeps serving."""
+    request, status = BAD_REQUESTS[name]
     agent = RawAgent(daemon.socket_path, "under-bad-requests")
     sock = _open(daemon)
-    with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # closed early: that is the point
-        sock.sendall(BAD_REQUESTS[name])
-    closed = _closed_by_server(sock, within=HEADER_TIMEOUT + 2)
+    with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # before the fix: cut off while sending
+        sock.sendall(request)
+    answer, closed = _answer(sock, within=HEADER_TIMEOUT + 2)
     sock.close()
     agent.steps(3)
     wait_for(lambda: _steps(daemon, "under-bad-requests") == 3.0, timeout=5)
     agent.close()
-    assert (True, None) == (closed, daemon.proc.poll())
+    assert (f"HTTP/1.1 {status} ", True, None) == (answer[:13].decode("latin-1"), closed, daemon.proc.poll())
+    assert b"\r\nConnection: close\r\n" in answer
 
 
 def test_pipelined_requests_are_answered_in_order(daemon: DaemonProcess) -> None:

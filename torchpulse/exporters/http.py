@@ -3,7 +3,8 @@
 Serving on the loop (rather than prometheus_client's threaded server) means
 collectors read the registry on the thread that writes it: no locks, no torn
 reads. Requests are bounded in header size and time, so slow or oversized
-clients are cut off without affecting agents.
+clients are cut off without affecting agents; a request it cannot parse is
+answered (400, 414, 431, ...) before the connection is closed.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import re
 import time
 from collections.abc import Callable
 from typing import Final
@@ -27,8 +29,25 @@ MAX_CONNECTIONS: Final = 256
 # A client that leaves a response unread this long is cut off: a stalled reader
 # would otherwise hold a connection slot and a rendered body forever.
 WRITE_TIMEOUT: Final = 30.0
+# After an error answer, how long what the client still sends is read and dropped (see `_refuse`).
+LINGER_TIMEOUT: Final = 2.0
+REASONS: Final = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  413: "Content Too Large", 414: "URI Too Long", 431: "Request Header Fields Too Large",
+                  503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+# RFC 9110 5.6.2 (methods, field names); RFC 9112 3.2 (a target is visible ASCII).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"[\x21-\x7e]+")
+_VERSION = re.compile(r"HTTP/([0-9])\.[0-9]")
 LANDING = b"""<html><head><title>torchpulse</title></head><body><h1>torchpulse</h1>
 <p><a href="/metrics">Metrics</a></p></body></html>"""
+
+
+class BadRequest(Exception):
+    """A request this server will not serve: answered with `status`, then the connection is closed."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 class MetricsServer:
@@ -71,7 +90,9 @@ class MetricsServer:
                 await self._route(writer, method, target, headers, keep_alive)
                 if not keep_alive:
                     return
-        except (ConnectionError, TimeoutError, asyncio.LimitOverrunError, ValueError):
+        except BadRequest as exc:
+            await self._refuse(reader, writer, exc)
+        except (ConnectionError, TimeoutError):
             # No graceful close: it would wait for a stalled peer to read what is buffered.
             writer.transport.abort()
         finally:
@@ -94,25 +115,52 @@ class MetricsServer:
     async def _read_request(
         self, reader: asyncio.StreamReader, timeout: float
     ) -> tuple[str, str, str, dict[str, str]] | None:
+        """The next request's method, target, version and headers; None when the client closed first."""
         async with asyncio.timeout(timeout):
-            try:
-                raw = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
+            line = await _read_line(reader, 414)
+            size = len(line)
+            # RFC 9112 2.2: empty lines before a request line are ignored (within the size limit).
+            while line in (b"\r\n", b"\n") and size <= MAX_HEADER_BYTES:
+                line = await _read_line(reader, 414)
+                size += len(line)
+            if not line:
                 return None
-        if len(raw) > MAX_HEADER_BYTES:
-            raise ValueError("request header too large")
-        lines = raw.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3:
-            raise ValueError("malformed request line")
-        headers = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        if headers.get("content-length", "0") not in ("", "0"):
-            raise ValueError("request bodies are not accepted")
-        return parts[0], parts[1], parts[2], headers
+            method, target, version = _request_line(line)
+            headers: dict[str, str] = {}
+            while (line := await _read_line(reader, 431)) not in (b"\r\n", b"\n"):
+                size += len(line)
+                if size > MAX_HEADER_BYTES:
+                    raise BadRequest(431, "request header too large")
+                if not line:
+                    raise BadRequest(400, "the connection ended inside the request header")
+                name, value = _header_field(line)
+                headers[name] = value
+        if size > MAX_HEADER_BYTES:
+            raise BadRequest(431, "request header too large")
+        length = headers.get("content-length", "0")
+        if not (length.isascii() and length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
+            raise BadRequest(400, "malformed Content-Length")
+        if int(length) or "transfer-encoding" in headers:
+            raise BadRequest(413, "request bodies are not accepted")
+        return method, target, version, headers
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, exc: BadRequest) -> None:
+        """Answer a request that is not served, then close without destroying the answer.
+
+        Closing a socket with unread request bytes in it makes the kernel reset the
+        connection, which can discard the answer before the client reads it: the write
+        side is shut first, then what the client still sends is read and dropped, for
+        LINGER_TIMEOUT at most.
+        """
+        try:
+            await self._respond(writer, exc.status, f"{exc}\n".encode(), keep_alive=False)
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(LINGER_TIMEOUT):
+                while await reader.read(1 << 16):
+                    pass
+        except (ConnectionError, TimeoutError):
+            writer.transport.abort()
 
     async def _route(self, writer: asyncio.StreamWriter, method: str, target: str,
                      headers: dict[str, str], keep_alive: bool) -> None:
@@ -141,9 +189,8 @@ class MetricsServer:
     async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
                        content_type: str = "text/plain; charset=utf-8", keep_alive: bool = True,
                        encoding: str | None = None, head: bool = False) -> None:
-        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
         lines = [
-            f"HTTP/1.1 {status} {reason.get(status, 'Error')}",
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
             f"Content-Type: {content_type}",
             f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}",
@@ -157,6 +204,55 @@ class MetricsServer:
             writer.write(body)
         async with asyncio.timeout(WRITE_TIMEOUT):
             await writer.drain()
+
+
+async def _read_line(reader: asyncio.StreamReader, too_long: int) -> bytes:
+    """One line with its terminator; b"" at the end of the stream before any byte of it."""
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise BadRequest(400, "the connection ended inside the request header") from None
+        return b""
+    except asyncio.LimitOverrunError:
+        # No end of line in the first MAX_HEADER_BYTES: a request line that began with a method
+        # has a target too long to take (414); bytes that never looked like one are garbage (400).
+        head = await reader.read(MAX_HEADER_BYTES)
+        method, space, _ = head.partition(b" ")
+        if too_long == 414 and not (space and _TOKEN.fullmatch(method.decode("latin-1"))):
+            raise BadRequest(400, "malformed request line") from None
+        message = "request target too long" if too_long == 414 else "request header too large"
+        raise BadRequest(too_long, message) from None
+
+
+def _text(line: bytes) -> str:
+    """A line without its terminator (RFC 9112 2.2: a bare LF ends a line too)."""
+    return line[:-1].removesuffix(b"\r").decode("latin-1")
+
+
+def _request_line(line: bytes) -> tuple[str, str, str]:
+    parts = _text(line).split(" ")
+    if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
+        raise BadRequest(400, "malformed request line")
+    version = _VERSION.fullmatch(parts[2])
+    if version is None:
+        raise BadRequest(400, "malformed request line")
+    if version.group(1) != "1":
+        raise BadRequest(505, "only HTTP/1.x is served")
+    return parts[0], parts[1], parts[2]
+
+
+def _header_field(line: bytes) -> tuple[str, str]:
+    """A header's lowercased name and its value; RFC 9112 5 and RFC 9110 5.5 say what is refused."""
+    name, sep, value = _text(line).partition(":")
+    # A name with whitespace before the colon, or a continuation line (obsolete folding), is refused:
+    # proxies disagree on what they mean.
+    if not sep or not _TOKEN.fullmatch(name):
+        raise BadRequest(400, "malformed header field")
+    value = value.strip(" \t")
+    if "\r" in value or "\0" in value:
+        raise BadRequest(400, "malformed header field")
+    return name.lower(), value
 
 
 def _tokens(value: str) -> list[str]:
