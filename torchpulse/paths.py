@@ -11,6 +11,18 @@ from typing import Final
 # it, where new exporters are placed. Override with --listen or `listen`.
 DEFAULT_PORT: Final = 10187
 DEFAULT_LISTEN: Final = f"127.0.0.1:{DEFAULT_PORT}"
+# Linux's sun_path holds 108 bytes with the terminating NUL; bind() and connect() refuse a
+# longer path with a bare "AF_UNIX path too long", and systemd refuses it in a socket unit.
+MAX_SOCKET_PATH_BYTES: Final = 107
+
+
+def socket_path_too_long(path: str | os.PathLike[str]) -> str | None:
+    """Why `path` cannot name a Unix socket, or None when it can."""
+    length = len(os.fsencode(path))
+    if length <= MAX_SOCKET_PATH_BYTES:
+        return None
+    return (f"the path is {length} bytes long; a Unix socket path may have at most {MAX_SOCKET_PATH_BYTES} "
+            f"bytes ({MAX_SOCKET_PATH_BYTES + 1} with the terminating NUL)")
 
 
 def default_socket_path(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:

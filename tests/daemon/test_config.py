@@ -39,6 +39,8 @@ def test_default_socket_is_under_run_for_root_and_runtime_dir_otherwise() -> Non
         ({"daemon": {"textfile_interval_seconds": float("nan")}},
          "daemon.textfile_interval_seconds: expected a finite number, got nan"),
         ({"runs": {"grace_period_seconds": float("inf")}}, "runs.grace_period_seconds: expected a finite number"),
+        ({"daemon": {"socket": "/" + "s" * 107}}, "daemon.socket: '/s+': the path is 108 bytes long; a Unix socket "
+                                                  "path may have at most 107 bytes"),
     ],
 )
 def test_bad_values_name_the_key(data: dict[str, dict[str, object]], message: str) -> None:
@@ -66,3 +68,26 @@ def test_bad_config_file_exits_non_zero_with_one_clear_line(tmp_path: Path) -> N
     assert 2 == result.returncode
     assert [f"torchpulse: invalid configuration: {path}: runs.grace_period_seconds: must be >= 0"] == (
         result.stderr.strip().splitlines())
+
+
+def test_a_socket_path_of_107_bytes_is_the_longest_accepted(tmp_path: Path) -> None:
+    """107 bytes and the terminating NUL fill sun_path exactly: accepted, and the daemon can bind it."""
+    import socket
+
+    path = tmp_path / ("s" * (107 - len(str(tmp_path)) - 1))
+    assert path == from_mapping({"daemon": {"socket": str(path)}}).daemon.socket
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+
+
+def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tmp_path: Path) -> None:
+    """`--socket` past the kernel's limit: one config error line, exit 2, no directory created for it."""
+    socket_dir = tmp_path / ("d" * 120)
+    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(socket_dir / "agent.sock"),
+                             "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert (2, 1, False) == (result.returncode, len(lines), socket_dir.exists()), result.stderr
+    assert lines[0].startswith(f"torchpulse: invalid configuration: daemon.socket: '{socket_dir}/agent.sock': the path"
+                               f" is {len(str(socket_dir)) + 11} bytes long; a Unix socket path may have at most 107 "
+                               "bytes (108 with the terminating NUL)")

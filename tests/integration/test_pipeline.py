@@ -76,6 +76,20 @@ def test_job_without_daemon_trains_with_one_warning_line(tmp_path: Path) -> None
     assert lines[0].startswith("torchpulse: daemon not reachable; training continues")
 
 
+def test_a_socket_path_too_long_for_unix_sockets_is_one_clear_line_and_the_job_trains(tmp_path: Path) -> None:
+    """`--socket agent.sock` in a deep directory is made absolute past 107 bytes: one line saying so, exit 0."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--socket", "agent.sock", "--", sys.executable, "-m",
+         "torchpulse.demo_job", "--steps", "5"], cwd=deep, env=env, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.splitlines()
+    assert (0, 1) == (result.returncode, len(lines)), result.stderr
+    assert lines[0].startswith("torchpulse: the daemon's socket path is too long to connect to; training continues")
+    assert f"{len(str(deep / 'agent.sock'))} bytes long; a Unix socket path may have at most 107 bytes" in lines[0]
+
+
 def test_daemon_killed_and_restarted_mid_job_loses_no_steps(daemon: DaemonProcess) -> None:
     """SIGKILL the daemon mid-job, start a new one: steps_total still ends at exactly N on every rank."""
     steps = 60

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchpulse.paths import DEFAULT_LISTEN, default_socket_path, default_state_dir
+from torchpulse.paths import DEFAULT_LISTEN, default_socket_path, default_state_dir, socket_path_too_long
 
 
 class ConfigError(ValueError):
@@ -41,6 +41,10 @@ class DaemonSection:
     textfile_interval_seconds: float = 15.0
 
     def __post_init__(self) -> None:
+        # Checked here, not left to bind(): its OSError would name neither the key nor the limit.
+        too_long = socket_path_too_long(self.socket)
+        if too_long is not None:
+            raise ConfigError(f"daemon.socket: {str(self.socket)!r}: {too_long}; choose a shorter path")
         parse_listen(self.listen)
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torchpulse
 from torchpulse.framing import FrameReader
+from torchpulse.paths import socket_path_too_long
 from torchpulse.probes.logs import get_logger
 from torchpulse.protocol import (
     Batch,
@@ -167,6 +168,13 @@ class Sender(threading.Thread):
     # -- connection ---------------------------------------------------------
     def _connect(self) -> None:
         path = str(self.config.socket_path)
+        too_long = socket_path_too_long(path)
+        if too_long is not None:
+            # connect() would refuse it on every retry, as a bare OSError: one clear line, no retries.
+            self._gave_up = True
+            log.warning("the daemon's socket path is too long to connect to; training continues without metrics",
+                        socket=path, reason=too_long, fix="set TORCHPULSE_SOCKET to a shorter path")
+            return
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:  # EMFILE: the job holds every descriptor; try again later
