@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -38,12 +38,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (msgpack cannot carry larger ones, and agents refuse them)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
+        return value
+    return parse
+
+
+def _bounded_float(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be from {low:g}{' (exclusive)' if low_open else ''} to "
+                                             f"{high:g}, got {text}")
+        return value
+    return parse
+
+
 def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from torchpulse.protocol import MAX_COMMAND_TIMEOUT, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run", required=True, help="run to address")
-    common.add_argument("--rank", type=int, action="append", help="rank to address (repeatable; default all)")
+    common.add_argument("--rank", type=_bounded_int(0, 2**63 - 1), action="append",
+                        help="rank to address (repeatable; default all)")
     common.add_argument("--socket", type=str, help="daemon socket")
-    common.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+    common.add_argument("--timeout", type=_bounded_float(0, MAX_COMMAND_TIMEOUT, low_open=True), default=30.0,
+                        help="seconds to wait for the ranks' answers (a trace answers once its file is written)")
     ctl = sub.add_parser("ctl", help="send a command to the agents of a running job")
     actions = ctl.add_subparsers(dest="action", required=True)
     actions.add_parser("status", parents=[common], help="probes, sampling, buffer fill, last step")
@@ -52,13 +82,14 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action.add_argument("probe")
     sample = actions.add_parser("sample", parents=[common], help="set a probe's sampling rate, e.g. autograd 0.1")
     sample.add_argument("probe")
-    sample.add_argument("rate", type=float)
+    sample.add_argument("rate", type=_bounded_float(MIN_SAMPLE_RATE, 1.0))
     log = actions.add_parser("autograd-log", parents=[common], help="log every autograd node for N passes")
-    log.add_argument("passes", type=int)
+    log.add_argument("passes", type=_bounded_int(1, MAX_LOG_PASSES))
     trace = actions.add_parser("trace", parents=[common], help="capture a torch.profiler trace of N steps")
-    trace.add_argument("--steps", type=int, required=True)
+    trace.add_argument("--steps", type=_bounded_int(1, MAX_TRACE_STEPS), required=True)
     trace.add_argument("--out", required=True, help="directory for the Chrome-trace JSON files")
-    trace.add_argument("--start-step", type=int, help="first step to trace (default: the same near step on all ranks)")
+    trace.add_argument("--start-step", type=_bounded_int(0, 2**63 - 1),
+                       help="first step to trace (default: the same near step on all ranks)")
     actions.add_parser("cudagraph-dump", parents=[common], help="CUDA-graph tree state, read on the training thread")
 
 
@@ -115,21 +146,27 @@ def _client_error(path: Path, exc: Exception) -> str:
 def _ctl(args: argparse.Namespace) -> int:
     from torchpulse.daemon.client import format_ctl, send_ctl
     from torchpulse.paths import agent_socket_path
-    from torchpulse.protocol import CtlRequest, FieldValue
+    from torchpulse.protocol import CtlRequest, FieldValue, utf8
 
     command_args: dict[str, FieldValue] = {}
     timeout = float(args.timeout)
     if args.action in ("enable", "disable", "sample"):
-        command_args["probe"] = args.probe
+        command_args["probe"] = utf8(args.probe)
     if args.action == "sample":
         command_args["rate"] = args.rate
     if args.action == "autograd-log":
         command_args["passes"] = args.passes
     if args.action == "trace":
-        command_args.update(steps=args.steps, out=str(Path(args.out).resolve()))
+        out = str(Path(args.out).resolve())
+        if utf8(out) != out:
+            print(f"torchpulse: --out must be a UTF-8 path (commands travel as UTF-8): {out!r}", file=sys.stderr)
+            return 2
+        command_args.update(steps=args.steps, out=out)
         if args.start_step is not None:
             command_args["start_step"] = args.start_step
-    request = CtlRequest(args.run, args.rank, args.action, command_args, timeout)
+    # Agents send undecodable bytes of a run name as "?" (it travels as UTF-8): so does the address.
+    ranks = sorted(set(args.rank)) if args.rank else None
+    request = CtlRequest(utf8(args.run), ranks, args.action, command_args, timeout)
     path = Path(args.socket) if args.socket else agent_socket_path()
     try:
         reply = send_ctl(path, request, timeout + 5.0)

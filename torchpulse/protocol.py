@@ -26,6 +26,27 @@ MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 
 FieldValue = str | int | float | bool | None
 
+# Bounds on command arguments. The agent enforces them (it is the one that
+# pays); `torchpulse ctl` checks them first so that a typo fails at once.
+# A torch.profiler trace holds every event of every traced step in the job's
+# memory until it stops, so its length is what bounds that memory.
+MAX_TRACE_STEPS: Final = 100
+# Autograd logging hooks every node of a logged pass and emits one event per node.
+MAX_LOG_PASSES: Final = 100
+# `sample RATE` times 1 pass in round(1/RATE); a longer period would never come round.
+MIN_SAMPLE_RATE: Final = 1e-6
+# How long a command may wait for its answers; longer, and a client's typo holds the daemon for days.
+MAX_COMMAND_TIMEOUT: Final = 3600.0
+
+
+def utf8(text: str) -> str:
+    """`text` as valid UTF-8: undecodable bytes Python kept as surrogates become "?"."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     """First frame of an agent connection: who is talking."""

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,8 @@ import pytest
 
 from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
 from torchpulse import cli
-from torchpulse.protocol import Batch, Hello, Sample, encode
+from torchpulse.daemon.client import send_ctl
+from torchpulse.protocol import Batch, CtlRequest, Hello, Sample, encode
 
 
 def _jobs(daemon: DaemonProcess, run: str, steps: int, sleep: float, ranks: int = 2) -> list[subprocess.Popen[str]]:
@@ -187,4 +189,86 @@ def test_commands_are_not_starved_by_heavy_event_traffic(daemon: DaemonProcess) 
         stop.set()
         for thread in threads:
             thread.join(5)
+        _stop(procs)
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["status", "--run", "x", "--rank", "99999999999999999999999"], "argument --rank: must be from 0 to"),
+    (["status", "--run", "x", "--rank", "-1"], "argument --rank: must be from 0 to"),
+    (["status", "--run", "x", "--timeout", "nan"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+    (["status", "--run", "x", "--timeout", "inf"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+    (["status", "--run", "x", "--timeout", "0"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+    (["autograd-log", "99999999999999999999999", "--run", "x"], "argument passes: must be from 1 to 100"),
+    (["sample", "autograd", "1e-30", "--run", "x"], "argument rate: must be from 1e-06 to 1, got 1e-30"),
+    (["trace", "--steps", "100000", "--out", "/tmp/t", "--run", "x"], "argument --steps: must be from 1 to 100"),
+    (["trace", "--steps", "5", "--out", "/tmp/t", "--run", "x", "--start-step", "1" + "0" * 30],
+     "argument --start-step: must be from 0 to"),
+])
+def test_out_of_range_numbers_are_a_usage_error_not_a_traceback(daemon: DaemonProcess, args: list[str],
+                                                                error: str) -> None:
+    """Numbers msgpack cannot carry or agents would refuse fail in the CLI with exit 2 and one clear line."""
+    result = _ctl(daemon, *args)
+    assert (2, "") == (result.returncode, result.stdout), result.stderr
+    assert error in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_undecodable_run_name_is_addressed_as_the_agents_send_it(daemon: DaemonProcess) -> None:
+    """A run name with a non-UTF-8 byte (the agent sends it with "?") reaches the daemon, no traceback."""
+    result = subprocess.run([sys.executable, "-m", "torchpulse", "ctl", "status", "--run", b"caf\xe9".decode(
+        "utf-8", "surrogateescape"), "--socket", str(daemon.socket_path)], cwd=REPO, capture_output=True, text=True,
+        timeout=120, env=daemon.env())
+    assert (1, "run caf?: no such run, or no ranks connected\n", "") == (
+        result.returncode, result.stdout, result.stderr)
+
+
+def test_a_rank_that_exits_while_a_command_waits_is_reported_at_once(daemon: DaemonProcess) -> None:
+    """A stopped rank is killed while `ctl` waits for it: the answer is not_connected right away,
+    not a timeout at the end of --timeout."""
+    procs = _jobs(daemon, "gone", steps=100000, sleep=0.005, ranks=1)
+    try:
+        _wait_connected(daemon, "gone", 1)
+        procs[0].send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        ctl = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "gone",
+                                "--timeout", "60", "--socket", str(daemon.socket_path)], cwd=REPO, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=daemon.env())
+        wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
+        procs[0].kill()
+        stdout, stderr = ctl.communicate(timeout=90)
+        assert time.monotonic() - started < 30
+        assert (1, "rank   0  not_connected the rank disconnected before answering (it exited, detached or "
+                "reconnected)") == (ctl.returncode, stdout.strip()), stderr
+    finally:
+        _stop(procs)
+
+
+def test_a_rank_named_twice_gets_the_command_once_and_an_unknown_rank_is_named(daemon: DaemonProcess) -> None:
+    """ranks [0, 0, 7] from a raw client: one answer for rank 0, and rank 7 is not part of the run."""
+    procs = _jobs(daemon, "twice", steps=100000, sleep=0.005, ranks=1)
+    try:
+        _wait_connected(daemon, "twice", 1)
+        reply = send_ctl(daemon.socket_path, CtlRequest("twice", [0, 0, 7], "status", {}, 20.0), 30.0)
+        assert [(0, "ok"), (7, "not_connected")] == [(r.rank, r.status) for r in reply.results]
+        assert "no such rank in this run" == reply.results[1].message
+    finally:
+        _stop(procs)
+
+
+def test_a_job_that_ends_mid_trace_exits_cleanly_and_says_so(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The job finishes its last step while a long trace is capturing: it exits 0, its profiler is stopped by
+    the agent's detach, and `ctl` reports a failure at once instead of a timeout."""
+    procs = _jobs(daemon, "short", steps=60, sleep=0.05, ranks=1)
+    try:
+        _wait_connected(daemon, "short", 1)
+        started = time.monotonic()
+        result = _ctl(daemon, "trace", "--run", "short", "--steps", "100", "--out", str(tmp_path), "--timeout", "300")
+        assert time.monotonic() - started < 60
+        assert 1 == result.returncode
+        assert re.fullmatch(r"rank   0  failed        the agent detached before the trace of steps \d+\.\.\d+ was "
+                            r"complete; nothing was written", result.stdout.strip()), result.stdout + result.stderr
+        assert 0 == procs[0].wait(60)
+        assert procs[0].stderr is not None
+        assert "Traceback" not in procs[0].stderr.read()
+    finally:
         _stop(procs)

@@ -21,7 +21,16 @@ from typing import Final
 import structlog
 
 from torchpulse.daemon.registry import Peer, RankState, Registry
-from torchpulse.protocol import Command, CommandResult, CtlReply, CtlRequest, FieldValue, RankResult, encode
+from torchpulse.protocol import (
+    MAX_COMMAND_TIMEOUT,
+    Command,
+    CommandResult,
+    CtlReply,
+    CtlRequest,
+    FieldValue,
+    RankResult,
+    encode,
+)
 
 log = structlog.get_logger("torchpulse.daemon.control")
 # How far ahead of the fastest rank a synchronised trace starts, in seconds of
@@ -32,6 +41,10 @@ MIN_TRACE_LEAD_STEPS = 3
 
 class NotAuthorized(Exception):
     pass
+
+
+class Disconnected(Exception):
+    """The rank's connection closed while a command waited for its answer."""
 
 
 def peer_groups(peer: Peer) -> set[int]:
@@ -66,7 +79,6 @@ def authorize(peer: Peer | None, control_group: str) -> None:
 
 
 MAX_STEP: Final = 2**53
-MAX_COMMAND_TIMEOUT: Final = 3600.0
 
 
 def current_step(state: RankState) -> int:
@@ -103,6 +115,12 @@ class ControlHub:
         if not waiting[2].done():
             waiting[2].set_result(result)
 
+    def disconnected(self, connection: int) -> None:
+        """Commands sent on a connection that closed get no answer: say so now, not at the timeout."""
+        for _state, sent_on, future in list(self._waiting.values()):
+            if sent_on == connection and not future.done():
+                future.set_exception(Disconnected())
+
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
         authorize(peer, self.control_group())
@@ -111,7 +129,8 @@ class ControlHub:
         run = self.registry.runs.get(request.run)
         if run is None:
             return CtlReply(request.run, request.name, [])
-        wanted = sorted(run.ranks) if request.ranks is None else request.ranks
+        # Once per rank: the same rank twice would get a trace command twice, and refuse the second.
+        wanted = sorted(run.ranks) if request.ranks is None else sorted(set(request.ranks))
         args = dict(request.args)
         if request.name == "trace" and "start_step" not in args:
             args["start_step"] = self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
@@ -131,11 +150,14 @@ class ControlHub:
         if not ranks:
             return 1
         lead = max(MIN_TRACE_LEAD_STEPS, max(math.ceil(_rate(s) * TRACE_LEAD_SECONDS) for s in ranks))
-        return max(current_step(s) for s in ranks) + lead
+        # A lying agent's step rate must not push the step past what msgpack carries.
+        return min(max(current_step(s) for s in ranks) + lead, MAX_STEP)
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
                    timeout: float) -> RankResult:
-        if state is None or not state.connected or state.channel is None:
+        if state is None:
+            return RankResult(rank, "not_connected", "no such rank in this run", {})
+        if not state.connected or state.channel is None:
             return RankResult(rank, "not_connected", "rank is not connected", {})
         command_id = next(self._ids)
         future: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
@@ -144,8 +166,14 @@ class ControlHub:
             state.channel(encode(Command(command_id, name, args)))
             result = await asyncio.wait_for(future, timeout)
         except TimeoutError:
+            if name == "trace":
+                return RankResult(rank, "timeout", f"no answer within {timeout:g}s (the traced steps have not all "
+                                  "run yet, or the rank is stuck; a trace still completes into its directory)", {})
             return RankResult(rank, "timeout", f"no answer within {timeout:g}s (the rank has not reached a "
-                              "step boundary, or is gone)", {})
+                              "step boundary, or is stuck)", {})
+        except Disconnected:
+            return RankResult(rank, "not_connected", "the rank disconnected before answering (it exited, "
+                              "detached or reconnected)", {})
         except (ConnectionError, RuntimeError) as exc:
             return RankResult(rank, "failed", f"could not send: {exc}", {})
         finally:

@@ -174,6 +174,7 @@ class AgentServer:
             if registered is not None:
                 run, rank = registered
                 self.registry.disconnect(run, rank, connection)
+                self.control.disconnected(connection)
                 log.info("agent disconnected", run=run.name, rank=rank.hello.rank)
             writer.close()
             with contextlib.suppress(Exception):

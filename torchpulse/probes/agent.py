@@ -160,7 +160,7 @@ class Agent:
         for probe in list(self.probes.values()):
             probe.uninstall()
         self.probes.clear()
-        self.control.uninstall()
+        self.control.uninstall(timeout)
         if sender is not None and os.getpid() == self.pid:
             sender.stop(timeout)
         self.enabled = False

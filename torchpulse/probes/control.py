@@ -1,26 +1,28 @@
 """Commands from the daemon, applied at safe points of the training thread.
 
-The sender thread receives a `Command` and either answers at once (`status`
-reads plain fields) or queues it. The training thread runs queued commands at
-its next step boundary (after the job's main optimizer stepped), never in
-the middle of a step. A trace
-spans whole optimizer steps: it starts right after step S-1 finished and
-stops right after step S+N-1 finished, so it covers steps S..S+N-1 exactly.
+The sender thread receives a `Command`, checks its arguments, and either
+answers at once (`status` reads plain fields; bad arguments are refused) or
+queues it. The training thread runs queued commands at its next step boundary
+(after the job's main optimizer stepped), never in the middle of a step. A
+trace spans whole optimizer steps: it starts right after step S-1 finished
+and stops right after step S+N-1 finished, so it covers steps S..S+N-1
+exactly; its file is written by a thread of its own (`trace_capture`).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchpulse.probes import trace_capture
+from torchpulse.probes.control_args import CommandFailed, check_arguments
 from torchpulse.probes.logs import get_logger
+from torchpulse.probes.trace_capture import Trace
 from torchpulse.protocol import Command, CommandResult, FieldValue
 
 if TYPE_CHECKING:
@@ -28,23 +30,9 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.control")
 Data = dict[str, FieldValue]
-
-
-class CommandFailed(Exception):
-    """A command that cannot be done; its text is what the user sees."""
-
-
-@dataclass
-class _Trace:
-    command: Command
-    start_step: int
-    steps: int
-    out: Path
-    profiler: Any = None
-
-    @property
-    def last_step(self) -> int:
-        return self.start_step + self.steps - 1
+__all__ = ["CommandFailed", "Control"]
+# Commands waiting for the next step boundary; a peer flooding more gets "busy", not the job's memory.
+MAX_PENDING_COMMANDS = 32
 
 
 class Control:
@@ -57,7 +45,9 @@ class Control:
         self._pre_handle: Any = None
         self._pending: deque[Command] = deque()
         self.results: deque[CommandResult] = deque()
-        self._trace: _Trace | None = None
+        # A trace waiting for its first step or capturing, then the thread writing its file.
+        self._trace: Trace | None = None
+        self._writer: threading.Thread | None = None
         self._lock = threading.Lock()
         # Read on the hot path: True while anything waits for a safe point.
         self.armed = False
@@ -89,12 +79,28 @@ class Control:
             self._hook = disable_tracing(self._after_step)
             self._handle = register_optimizer_step_post_hook(self._hook)
 
-    def uninstall(self) -> None:
+    def uninstall(self, timeout: float = 2.0) -> None:
+        """Remove our hooks; end a trace (a profiler left running would grow for ever) and answer
+        every command still waiting, since no step boundary will come for them."""
         handles, self._handle, self._pre_handle = (self._handle, self._pre_handle), None, None
         self._first = None
         for handle in handles:
             if handle is not None:
                 handle.remove()
+        with self._lock:
+            trace, self._trace = self._trace, None
+            pending, self._pending = list(self._pending), deque()
+            self.armed = False
+        if trace is not None:
+            if trace.profiler is not None:
+                trace_capture.stop_quietly(trace.profiler)
+            self._answer(trace.command, False, f"the agent detached before the trace of steps {trace.start_step}.."
+                         f"{trace.last_step} was complete; nothing was written", {})
+        for command in pending:
+            self._answer(command, False, "the agent detached before its next step boundary", {})
+        writer = self._writer
+        if writer is not None:
+            writer.join(timeout)  # a trace already captured is worth a short wait at exit
 
     def _after_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if not self.agent.enabled:
@@ -149,26 +155,38 @@ class Control:
 
     # -- sender thread --------------------------------------------------------
     def receive(self, command: Command) -> None:
-        if command.name == "status":
-            self._answer(command, True, "ok", self.status())
-        elif command.name in self._safe_handlers:
-            with self._lock:
-                self._pending.append(command)
-                self.armed = True
-        else:
-            self._answer(command, False, f"unknown command {command.name!r}", {})
+        """Answer or queue one command; never raises (this is the sender thread's loop)."""
+        try:
+            if command.name == "status":
+                self._answer(command, True, "ok", self.status())
+            elif command.name in self._safe_handlers:
+                check_arguments(command)
+                with self._lock:
+                    if len(self._pending) >= MAX_PENDING_COMMANDS:
+                        raise CommandFailed(f"busy: {MAX_PENDING_COMMANDS} commands already wait for this "
+                                            "rank's next step boundary")
+                    self._pending.append(command)
+                    self.armed = True
+            else:
+                raise CommandFailed(f"unknown command {command.name[:64]!r}")
+        except CommandFailed as exc:
+            self._answer(command, False, str(exc), {})
+        except Exception as exc:  # a bug here must not cost the connection, nor leave the caller waiting
+            log.warning("command failed", command=command.name[:64], error=repr(exc))
+            self._answer(command, False, f"internal error: {exc!r}"[:500], {})
 
     def status(self) -> Data:
         agent = self.agent
+        probes = list(agent.probes.items())  # one C-level copy: the training thread may add a probe meanwhile
         autograd = agent.probes.get("autograd")
         data: Data = {
             "step": agent.step,
-            "probes": ",".join(sorted(n for n, p in agent.probes.items() if p.enabled)),
+            "probes": ",".join(sorted(n for n, p in probes if p.enabled)),
             "buffer_fill": agent.buffer_fill,
             "buffer_capacity": agent.config.buffer_capacity,
             "events_dropped": agent.dropped_total,
             "pid": agent.identity.pid,
-            "tracing": self._trace is not None,
+            "tracing": self._trace is not None or self._writing(),
         }
         status = getattr(autograd, "status", None)
         if autograd is not None and autograd.enabled and callable(status):
@@ -251,17 +269,17 @@ class Control:
         return fn  # type: ignore[no-any-return]
 
     def _sample(self, command: Command) -> Data:
-        rate = command.args.get("rate")
-        if not isinstance(rate, int | float) or not 0 < rate <= 1:
-            raise CommandFailed("rate must be a number in (0, 1]")
+        rate = command.args["rate"]
+        if not isinstance(rate, int | float):  # checked on arrival; this keeps mypy and `python -O` honest
+            raise CommandFailed("rate must be a number")
         every = max(1, round(1 / rate))
         self._probe_method(command, "set_sample_every")(every)
         return {"sample_every": every}
 
     def _autograd_log(self, command: Command) -> Data:
-        passes = command.args.get("passes")
-        if not isinstance(passes, int) or passes < 1:
-            raise CommandFailed("passes must be a positive integer")
+        passes = command.args["passes"]
+        if not isinstance(passes, int):  # checked on arrival
+            raise CommandFailed("passes must be an integer")
         self._probe_method(Command(command.id, command.name, {"probe": "autograd"}), "log_next_passes")(passes)
         return {"passes": passes}
 
@@ -275,20 +293,27 @@ class Control:
 
     def _start_trace(self, command: Command) -> Data:
         args = command.args
-        steps, start, out = args.get("steps"), args.get("start_step"), args.get("out")
-        if not isinstance(steps, int) or steps < 1:
-            raise CommandFailed("steps must be a positive integer")
-        if not isinstance(out, str) or not out:
-            raise CommandFailed("missing argument: out")
-        if self._trace is not None:
-            raise CommandFailed("a trace is already being captured")
+        steps, start, out = args["steps"], args.get("start_step"), args["out"]
+        if not isinstance(steps, int) or not isinstance(out, str):  # checked on arrival
+            raise CommandFailed("steps must be an integer and out a path")
+        current = self._trace
+        if (current is not None and current.profiler is not None) or self._writing():
+            raise CommandFailed("a trace is already being captured or written on this rank")
         if not isinstance(start, int):
             start = self.agent.step + 1
         if start <= self.agent.step:
             raise CommandFailed(f"missed the start step {start}: this rank already finished step "
                                 f"{self.agent.step}; retry with a larger start margin")
-        self._trace = _Trace(command, start, steps, Path(out))
+        if current is not None:
+            # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
+            self._answer(current.command, False, f"superseded by a newer trace request before step "
+                         f"{current.start_step} came", {})
+        self._trace = Trace(command, start, steps, Path(out))
         return {}
+
+    def _writing(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer.is_alive()
 
     def _advance_trace(self) -> None:
         trace = self._trace
@@ -299,20 +324,38 @@ class Control:
             if trace.profiler is None and step >= trace.start_step - 1:
                 if step > trace.start_step - 1:
                     raise CommandFailed(f"missed the start step {trace.start_step} (at step {step})")
-                trace.profiler = _start_profiler()
+                trace.profiler = trace_capture.start_profiler()
+                if self._trace is not trace:  # detached meanwhile, from another thread
+                    trace_capture.stop_quietly(trace.profiler)
             elif trace.profiler is not None and step >= trace.last_step:
-                self._trace = None
-                path = _finish_profiler(trace, self.agent)
-                self._answer(trace.command, True, "trace written",
-                             {"path": str(path), "first_step": trace.start_step, "last_step": trace.last_step})
+                with self._lock:
+                    if self._trace is not trace:
+                        return  # detached meanwhile, from another thread
+                    self._trace = None
+                trace.profiler.stop()
+                # Exporting takes seconds for a real model: not on the training thread.
+                self._writer = threading.Thread(target=self._write_trace, args=(trace,), daemon=True,
+                                                name="torchpulse-trace-writer")
+                self._writer.start()
         except CommandFailed as exc:
             self._trace = None
             self._answer(trace.command, False, str(exc), {})
         except Exception as exc:
             self._trace = None
             if trace.profiler is not None:
-                _stop_quietly(trace.profiler)
+                trace_capture.stop_quietly(trace.profiler)
             self._answer(trace.command, False, f"trace failed: {exc!r}", {})
+
+    def _write_trace(self, trace: Trace) -> None:
+        ident = self.agent.identity
+        try:
+            path = trace_capture.write(trace, ident.run, ident.rank)
+        except Exception as exc:
+            log.warning("trace not written", out=str(trace.out), error=repr(exc))
+            self._answer(trace.command, False, f"trace failed: {exc}", {})
+        else:
+            self._answer(trace.command, True, "trace written",
+                         {"path": str(path), "first_step": trace.start_step, "last_step": trace.last_step})
 
 
 _OPTIMIZER_FILE = "optim/optimizer.py"
@@ -336,32 +379,3 @@ def _nested_step() -> bool:
                 return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
-
-
-def _start_profiler() -> Any:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    profiler = profile(activities=activities)
-    profiler.start()
-    return profiler
-
-
-def _stop_quietly(profiler: Any) -> None:
-    try:
-        profiler.stop()
-    except Exception:  # already broken; the failure was reported
-        return
-
-
-def _finish_profiler(trace: _Trace, agent: Agent) -> Path:
-    trace.profiler.stop()
-    ident = agent.identity
-    trace.out.mkdir(parents=True, exist_ok=True)
-    safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in ident.run)
-    path = trace.out / f"{safe_run}-rank{ident.rank}-steps{trace.start_step}-{trace.last_step}-{int(time.time())}.json"
-    trace.profiler.export_chrome_trace(str(path))
-    return path

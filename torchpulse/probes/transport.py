@@ -23,6 +23,7 @@ from torchpulse.probes.logs import get_logger
 from torchpulse.protocol import (
     Batch,
     Command,
+    CommandResult,
     ErrorReply,
     FieldValue,
     FrameError,
@@ -34,6 +35,7 @@ from torchpulse.protocol import (
     Welcome,
     decode_daemon_frame,
     encode,
+    utf8,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ log = get_logger("torchpulse.agent")
 MAX_ITEMS_PER_FRAME = 2000
 # An idle agent still sends an empty batch this often, so the daemon sees it alive.
 HEARTBEAT_INTERVAL = 5.0
+# Socket reads (64 KiB each) handled per call before the thread gets back to its own cycle.
+MAX_CHUNKS_PER_READ = 16
 
 
 class Sender(threading.Thread):
@@ -287,7 +291,15 @@ class Sender(threading.Thread):
     def _send_results(self) -> None:
         results = self.agent.control.results
         while results and self._sock is not None:
-            if not self._send_frame(encode(results.popleft())):
+            result = results.popleft()
+            try:
+                frame = encode(result)
+            except (FrameError, OverflowError, TypeError, UnicodeEncodeError) as exc:
+                # A bug's answer (a huge int, a stray object) must still answer, and not cost the connection.
+                log.warning("command result could not be encoded", id=result.id, error=repr(exc))
+                frame = encode(CommandResult(result.id, False, f"internal error: answer not encodable: {exc!r}"[:500],
+                                             {}))
+            if not self._send_frame(frame):
                 return
 
     def _send_frame(self, frame: bytes) -> bool:
@@ -304,7 +316,12 @@ class Sender(threading.Thread):
         sock = self._sock
         assert sock is not None
         try:
-            while select.select([sock], [], [], 0)[0]:
+            # Bounded, and answers go out chunk by chunk: a peer that streams commands
+            # gets back-pressure instead of a sender thread that never cycles again
+            # and answers that pile up in the job's memory.
+            for _ in range(MAX_CHUNKS_PER_READ):
+                if not select.select([sock], [], [], 0)[0]:
+                    break
                 chunk = sock.recv(65536)
                 if not chunk:
                     raise ConnectionResetError("daemon closed the connection")
@@ -314,20 +331,12 @@ class Sender(threading.Thread):
                         log.warning("daemon reported an error", code=frame.code, message=frame.message)
                     elif isinstance(frame, Command):
                         self.agent.control.receive(frame)
+                self._send_results()
             self._send_results()
         except (OSError, FrameError) as exc:
             self._disconnect(exc)
             return False
         return True
-
-
-def utf8(text: str) -> str:
-    """`text` as valid UTF-8: undecodable bytes Python kept as surrogates become "?"."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _utf8_value(value: FieldValue) -> FieldValue:

@@ -1,0 +1,57 @@
+"""Checks of a command's arguments, made on the sender thread the moment it arrives.
+
+A typo is then answered at once, also by a rank that is not stepping, and what
+reaches the training thread is known to be in range: a huge `steps` would keep
+the profiler recording into the job's memory, a tiny rate gives a sampling
+period msgpack cannot carry back, an unbounded `passes` logs every node for
+ever.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torchpulse.probes import trace_capture
+from torchpulse.protocol import MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE, Command
+
+
+class CommandFailed(Exception):
+    """A command that cannot be done; its text is what the user sees."""
+
+
+def check_arguments(command: Command) -> None:
+    """Raise CommandFailed naming the first bad argument of a command applied at a step boundary."""
+    from torchpulse.probes.api import PROBES
+
+    args, name = command.args, command.name
+    if name in ("enable", "disable", "sample"):
+        probe = args.get("probe")
+        if not isinstance(probe, str) or not probe:
+            raise CommandFailed("missing argument: probe")
+        if probe not in PROBES:
+            raise CommandFailed(f"unknown probe {probe[:64]!r} (known: {', '.join(sorted(PROBES))})")
+    if name == "sample":
+        rate = args.get("rate")
+        if (not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate)
+                or not MIN_SAMPLE_RATE <= rate <= 1):
+            raise CommandFailed(f"rate must be a number from {MIN_SAMPLE_RATE:g} to 1, got {_shown(rate)}")
+    elif name == "autograd-log":
+        _count(args.get("passes"), "passes", MAX_LOG_PASSES)
+    elif name == "trace":
+        _count(args.get("steps"), "steps", MAX_TRACE_STEPS)
+        start = args.get("start_step")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+            raise CommandFailed(f"start_step must be an integer, got {_shown(start)}")
+        try:
+            trace_capture.check_out_dir(args.get("out"))
+        except ValueError as exc:
+            raise CommandFailed(str(exc)) from None
+
+
+def _shown(value: object) -> str:
+    return repr(value)[:40]
+
+
+def _count(value: object, name: str, most: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+        raise CommandFailed(f"{name} must be an integer from 1 to {most}, got {_shown(value)}")
