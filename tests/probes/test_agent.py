@@ -51,6 +51,25 @@ def test_optimizer_probe_counts_steps_lr_and_state() -> None:
         agent.shutdown()
 
 
+def test_a_param_group_added_later_is_measured_at_the_next_step() -> None:
+    """add_param_group (progressive unfreezing) changes the parameter gauges at once, also for an
+    optimizer without state (plain SGD), whose state never grows to signal it."""
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    head = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _train(optimizer, model, 2)
+        optimizer.add_param_group({"params": head.parameters(), "lr": 0.01})
+        _train(optimizer, model, 1)
+        agent.drain()
+        assert (4.0, 15.0 + 8.0, 0.01) == (agent.store.value("optimizer_parameters", ("SGD#0",)),
+                                           agent.store.value("optimizer_parameter_elements", ("SGD#0",)),
+                                           agent.store.value("optimizer_learning_rate", ("SGD#0", "1")))
+    finally:
+        agent.shutdown()
+
+
 def test_a_step_that_raises_is_counted_as_an_error_not_a_step() -> None:
     """When step() raises, only the pre-hook runs: the next step counts one error, no bogus duration."""
 

@@ -62,6 +62,16 @@ def test_graph_break_message_is_split_into_kind_and_location() -> None:
     ("skipping cudagraphs due to disabling cudagraphs due to incompatible op aten._local_scalar_dense",
      "incompatible_op"),
     ("skipping cudagraph due to function 0 exceeding max re-recording limit (=50)", "other"),
+    # The reason is in the first line; the user's stack trace after it may contain any word.
+    ("skipping cudagraphs due to disabling cudagraphs due to incompatible op aten.nonzero.default Found from "
+     '  File "/src/mutation_utils.py", line 3, in cpu_device_to_symint\n    y = x.nonzero()\n', "incompatible_op"),
+    ('skipping cudagraphs due to mutated inputs (1 instances). Found from : \n   File "/src/m.py", line 9, in f\n'
+     "    x.add_(1)  # still on the cpu device here\n", "mutated_inputs"),
+    ("input storage mutation (1 instances). Found from:\n File x.py", "mutated_inputs"),
+    ("skipping cudagraphs due to index_put_ fallback with boolean indexing is not compatible with CUDA graphs",
+     "incompatible_op"),
+    ("skipping cudagraphs due to control flow operator: torch.cond. Found from : \n File x.py", "incompatible_op"),
+    ("disabling cudagraphs due to override_cudagraphs annotation", "other"),
 ])
 def test_cudagraph_skip_messages_are_classified(message: str, expected: str) -> None:
     """Skip messages map to the fixed skip reasons."""
@@ -73,6 +83,10 @@ def test_rerecord_reasons_are_classified() -> None:
     assert "static_input_changed" == classify_rerecord("static input data pointer changed.\ninput name: x")
     assert "managed_index_mismatch" == classify_rerecord("cudagraph managed tensor data pointer changed.")
     assert "dead_tensors" == classify_rerecord("expected dead indices before graph are live")
+    # Only the first line is the status; input names and stack traces follow.
+    assert "managed_index_mismatch" == classify_rerecord(
+        "cudagraph managed tensor data pointer changed.\ninput name: static_input_ids. data pointer changed "
+        'from 1 to 2. input stack trace: File "m.py", line 4, in forward\n    x = x + buf  # the static input buffer')
 
 
 def test_function_label_uses_a_short_path() -> None:

@@ -115,9 +115,16 @@ def parse_graph_break(message: str) -> GraphBreak | None:
     return GraphBreak(kind, match["file"], int(match["line"]), reason)
 
 
+def _status_line(message: str) -> str:
+    """The reason part of a CUDA-graph message, lower-cased: the user's stack trace after it
+    ("Found from", "input stack trace") may contain any word."""
+    text = message.split("\n", 1)[0].lower()
+    return text.split("found from", 1)[0]
+
+
 def classify_cudagraph_skip(message: str) -> str:
-    """Map a "skipping cudagraphs due to ..." message to one of `CUDAGRAPH_SKIP_REASONS`."""
-    text = message.lower()
+    """Map a CUDA-graph skip message (`log_cudagraph_skip_and_bump_counter`) to one of `CUDAGRAPH_SKIP_REASONS`."""
+    text = _status_line(message)
     if "cpu device" in text:
         return "cpu_device"
     if "mutated inputs" in text or "mutation" in text:
@@ -128,14 +135,16 @@ def classify_cudagraph_skip(message: str) -> str:
         return "dynamic_shapes"
     if "non-tensor" in text or "non tensor" in text or "non_tensor" in text:
         return "non_tensor_inputs"
-    if "incompatible op" in text or "unsupported op" in text or "cudagraph-unsafe" in text:
+    # Lowering reasons torch 2.13 gives: an op, index_put_ with boolean indices, torch.cond/while_loop.
+    if any(words in text for words in ("incompatible op", "unsupported op", "cudagraph-unsafe",
+                                       "not compatible with cuda graphs", "control flow operator")):
         return "incompatible_op"
     return "other"
 
 
 def classify_rerecord(reason: str) -> str:
     """Map a tree manager re-record reason (CheckInvariantStatus text) to `RERECORD_REASONS`."""
-    text = reason.lower()
+    text = _status_line(reason)
     if "static input" in text:
         return "static_input_changed"
     if "managed" in text:

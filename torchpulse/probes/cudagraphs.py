@@ -1,12 +1,13 @@
 """CUDA-graph probe: skips by reason, recordings, warm-ups, re-recordings, pools, optimizer readiness.
 
 Sources, all read without changing what torch prints (see `compile_logtap`):
-- `counters['inductor']['cudagraph_skips']` plus the "skipping cudagraphs due
-  to ..." messages. A graph with no CUDA device bumps the counter without a
+- `counters['inductor']['cudagraph_skips']` plus the skip messages logged with
+  each increment. A graph with no CUDA device bumps the counter without a
   message, so increments no message explains are CPU-device skips.
-- The tree manager's own debug/info lines for warm-ups, recordings and
-  re-record reasons (logged only on those slow paths, never on replay), and
-  the CUDAGRAPH_RECORDING compile callbacks for recording time.
+- The tree manager's own debug/info lines for warm-ups, recordings, new shapes
+  and re-record reasons, told apart by the frames they are logged from (see
+  `torch_features.TREES_RERECORD_REASON`), and the CUDAGRAPH_RECORDING compile
+  callbacks for recording time.
 - The tree manager itself (thread-local) and optimizer state, read from the
   training thread in a global optimizer post-hook every N steps.
 """
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from torchpulse.probes.base import Probe
 from torchpulse.probes.compile_logtap import LogTap
 from torchpulse.probes.compile_reasons import classify_cudagraph_skip, classify_rerecord
 from torchpulse.probes.logs import get_logger
+from torchpulse.probes.optimizer import OptimizerLabels
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
@@ -48,8 +50,10 @@ class Readiness(NamedTuple):
     cpu_step_tensors: int
 
 
-def measure_readiness(optimizer: Optimizer, last_ptrs: dict[int, int]) -> Readiness:
-    """Count the CUDA-graph hazards of one optimizer; `last_ptrs` maps param id -> grad address."""
+def measure_readiness(optimizer: Optimizer, last_ptrs: dict[int, int],
+                      is_static: Callable[[torch.Tensor], bool]) -> Readiness:
+    """Count the CUDA-graph hazards of one optimizer; `last_ptrs` maps param id -> grad address,
+    `is_static` is `torch_features.static_checker()`."""
     nonstatic = moving = cpu_steps = 0
     capturable: list[tuple[int, bool]] = []
     for index, group in enumerate(optimizer.param_groups):
@@ -60,9 +64,10 @@ def measure_readiness(optimizer: Optimizer, last_ptrs: dict[int, int]) -> Readin
             on_cuda = True
             grad = param.grad
             if grad is not None:
-                if not tf.is_static_for_cudagraphs(grad):
+                if not is_static(grad):
                     nonstatic += 1
-                ptr = grad.data_ptr()
+                # DTensor (FSDP2): data_ptr() of the wrapper is 0; the shard this rank holds moves.
+                ptr = getattr(grad, "_local_tensor", grad).data_ptr()
                 if last_ptrs.get(id(param), ptr) != ptr:
                     moving += 1
                 last_ptrs[id(param)] = ptr
@@ -126,7 +131,7 @@ class CudaGraphProbe(Probe):
         self.every = int(agent.config.options.get("cudagraph_readiness_every", agent.config.optimizer_state_every))
         self._callbacks: _Callbacks | None = None
         self._taps: list[LogTap] = []
-        self._ids = itertools.count()
+        self._labels = OptimizerLabels()  # when the optimizer probe is off
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -134,8 +139,10 @@ class CudaGraphProbe(Probe):
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
         self._recording_started: float | None = None
         self._trees_dirty = False
+        self._trees_seen: tuple[int, ...] = ()  # ids of the tree managers last read
         self._trees_warned = False
-        self._symint_ids: set[str] = set()
+        self._frames_warned = False
+        self._symint_ids: set[str] = set()  # only on a torch without the tree frames
         # Skip accounting: counter increments no message explains are CPU-device skips.
         self._skip_messages = 0
         self._skip_unexplained = 0
@@ -155,7 +162,7 @@ class CudaGraphProbe(Probe):
 
     def _install_with_dynamo(self) -> None:
         _skip_tracing_once()
-        # Tree managers are detected once the job imports their module (`_read_trees`).
+        # Tree managers are detected once the job imports their module (`_trees_usable`).
         for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args"):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
@@ -197,7 +204,7 @@ class CudaGraphProbe(Probe):
 
     def _on_cudagraphs_record(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if message.startswith(tf.CUDAGRAPH_SKIP_PREFIX):
+        if record.funcName == tf.CUDAGRAPH_SKIP_FUNCTION or message.startswith(tf.CUDAGRAPH_SKIP_PREFIX):
             self._skip_messages += 1
             limit = tf.CUDAGRAPH_RERECORD_LIMIT_MARKER in message
             self.agent.record(self._on_skip, classify_cudagraph_skip(message), message, limit)
@@ -206,20 +213,46 @@ class CudaGraphProbe(Probe):
 
     def _on_trees_record(self, record: logging.LogRecord) -> None:
         msg = str(record.msg)
+        args = record.args if isinstance(record.args, tuple) else ()
         if tf.TREES_WARMUP in msg:
             self.agent.record(self._inc, "cudagraph_warmups_total")
-        elif tf.TREES_RERECORD in msg and isinstance(record.args, tuple) and len(record.args) >= 4:
-            self.agent.record(self._on_rerecord, classify_rerecord(str(record.args[3])), str(record.args[3]))
-        elif tf.TREES_SYMINT_RECORDING in msg and isinstance(record.args, tuple) and record.args:
-            # The first shape of a compiled function is its first recording, not a re-record.
-            compile_id = str(record.args[0])
-            if compile_id in self._symint_ids:
-                self.agent.record(self._on_rerecord, "new_dynamic_shape", msg % record.args)
-            elif len(self._symint_ids) < MAX_SYMINT_IDS:
-                self._symint_ids.add(compile_id)
-        elif tf.TREES_RECORDING in msg and self._callbacks is None:
-            self._trees_dirty = True  # no recording callbacks on this torch: count from the log
-            self.agent.record(self._inc, "cudagraph_recordings_total")
+        elif tf.TREES_RERECORD in msg and len(args) >= 4:
+            if self._tree_frames() is None:
+                # Without the frames: one line per recorded sibling that failed its checks, an over-count.
+                self.agent.record(self._on_rerecord, classify_rerecord(str(args[3])), str(args[3]))
+        elif tf.TREES_SYMINT_RECORDING in msg and args:
+            self._on_new_shape(str(args[0]), msg % args)
+        elif tf.TREES_RECORDING in msg:
+            frames = self._tree_frames()
+            if frames is not None:
+                found, reason = tf.caller_local(frames.run, tf.TREES_RERECORD_REASON)
+                if found and reason is not None:
+                    self.agent.record(self._on_rerecord, classify_rerecord(str(reason)), str(reason))
+            if self._callbacks is None:
+                self._trees_dirty = True  # no recording callbacks on this torch: count from the log
+                self.agent.record(self._inc, "cudagraph_recordings_total")
+
+    def _on_new_shape(self, compile_id: str, detail: str) -> None:
+        # The first shape of a compiled graph is its first recording, not a re-record.
+        frames = self._tree_frames()
+        if frames is not None:
+            found, shapes = tf.caller_local(frames.deferred, tf.TREES_SHAPE_CACHE)
+            if found:
+                if shapes:
+                    self.agent.record(self._on_rerecord, "new_dynamic_shape", detail)
+                return
+        if compile_id in self._symint_ids:  # fallback: forward and backward share a compile id
+            self.agent.record(self._on_rerecord, "new_dynamic_shape", detail)
+        elif len(self._symint_ids) < MAX_SYMINT_IDS:
+            self._symint_ids.add(compile_id)
+
+    def _tree_frames(self) -> tf.TreeFrames | None:
+        frames = tf.tree_frames()
+        if frames is None and not self._frames_warned:
+            self._frames_warned = True
+            feature = tf.feature("cudagraph_tree_frames")
+            log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
+        return frames
 
     def _on_callback_start(self, args: Any) -> None:
         if tf.callback_trigger_name(args) == tf.TRIGGER_CUDAGRAPH_RECORDING:
@@ -255,7 +288,7 @@ class CudaGraphProbe(Probe):
     def _every_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         # Not wrapped by `guard`: its Dynamo-disable wrapper costs ~1 us a call,
         # measurable on a fast compiled step. This path is a dict lookup and an
-        # int compare that cannot raise; `_dynamo_skip` below keeps Dynamo from
+        # int compare that cannot raise; `_skip_tracing_once` below keeps Dynamo from
         # tracing it, and the real work runs guarded.
         key = id(optimizer)
         left = self._due_in.get(key, 0) - 1
@@ -270,17 +303,20 @@ class CudaGraphProbe(Probe):
         tracked.steps += 1
         if self._callbacks is not None:
             self._callbacks.ensure()
-        readiness = measure_readiness(optimizer, tracked.grad_ptrs)
+        readiness = measure_readiness(optimizer, tracked.grad_ptrs, tf.static_checker())
         hint = None
         if not tracked.hinted:
             hint = readiness_hint(readiness)
             tracked.hinted = hint is not None
         self.agent.record(self._on_readiness, tracked.label, readiness, hint)
         self._poll_counters()
-        if self._trees_dirty and tf.CUDAGRAPH_TREES in sys.modules:
-            self._trees_dirty = False
-            if self._trees_usable():
-                managers, trees, nodes = self._read_trees()
+        if tf.CUDAGRAPH_TREES in sys.modules and self._trees_usable():
+            managers = list(tf.tree_managers())
+            seen = tuple(id(manager) for manager in managers)
+            # Recordings make the trees dirty; torch._dynamo.reset() drops the managers without a sign.
+            if self._trees_dirty or seen != self._trees_seen:
+                self._trees_dirty, self._trees_seen = False, seen
+                trees, nodes = self._count_trees(managers)
                 self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
 
     def _trees_usable(self) -> bool:
@@ -293,13 +329,12 @@ class CudaGraphProbe(Probe):
         return False
 
     @staticmethod
-    def _read_trees() -> tuple[list[Any], int, int]:
-        managers = list(tf.tree_managers())
+    def _count_trees(managers: list[Any]) -> tuple[int, int]:
         trees = nodes = 0
         for manager in managers:
             t, n = tf.count_tree_nodes(manager)
             trees, nodes = trees + t, nodes + n
-        return managers, trees, nodes
+        return trees, nodes
 
     def dump_state(self) -> dict[str, str | int | float | bool | None]:
         """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
@@ -308,7 +343,8 @@ class CudaGraphProbe(Probe):
         if tf.CUDAGRAPH_TREES not in sys.modules:
             managers, trees, nodes = [], 0, 0  # nothing compiled with CUDA graphs here yet
         elif tf.trees_loaded():
-            managers, trees, nodes = self._read_trees()
+            managers = list(tf.tree_managers())
+            trees, nodes = self._count_trees(managers)
         else:
             return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
         skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
@@ -321,8 +357,10 @@ class CudaGraphProbe(Probe):
         if optimizer_probe is not None:
             entry = getattr(optimizer_probe, "_tracked", {}).get(optimizer)
             label = getattr(entry, "label", None)
-        tracked = _Tracked(label or f"{type(optimizer).__name__}#{next(self._ids)}")
+        tracked = _Tracked(label or self._labels.take(optimizer))
         self._tracked[optimizer] = tracked
+        # The countdown is keyed by id() for the hot path's sake: drop it with the optimizer.
+        weakref.finalize(optimizer, self._due_in.pop, id(optimizer), None)
         return tracked
 
     # -- agent thread ------------------------------------------------------------

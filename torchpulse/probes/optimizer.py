@@ -4,7 +4,7 @@ Uses the global `register_optimizer_step_pre_hook`/`post_hook`, so every
 optimizer in the process is seen without touching training code. The hooks
 only take a timestamp and queue a record; sizes are measured on the training
 thread (where `optimizer.state` is safe to iterate) every N steps, when the
-state gains entries, and after `load_state_dict`.
+state gains entries or param groups are added, and after `load_state_dict`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _inside_step_of(optimizer: Optimizer, wrapper: FrameType) -> bool:
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "label", "nested", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "groups", "label", "nested", "rescan", "started", "state_len", "steps")
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -73,6 +73,8 @@ class _Tracked:
         self.nested = 0
         self.steps = 0
         self.state_len = -1
+        # add_param_group: an optimizer without state (plain SGD) has no state growth to notice it by.
+        self.groups = -1
         self.rescan = True
 
 
@@ -119,7 +121,7 @@ class _PerOptimizerHooks:
         self.handles.clear()
 
 
-class _Labels:
+class OptimizerLabels:
     """`Type#n` with the smallest n no live optimizer holds: a job that builds optimizers over
     and over (a search, OOM retries) keeps as many series as it has optimizers at once."""
 
@@ -146,7 +148,7 @@ class OptimizerProbe(Probe):
         super().__init__(agent)
         self.state_every = agent.config.optimizer_state_every
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
-        self._labels = _Labels()
+        self._labels = OptimizerLabels()
         self._load_hooks = _PerOptimizerHooks()
 
     def _install(self) -> None:
@@ -200,10 +202,11 @@ class OptimizerProbe(Probe):
         tracked.started = None
         tracked.steps += 1
         sizes: Sizes | None = None
-        state_len = len(optimizer.state)
-        if tracked.rescan or state_len != tracked.state_len or tracked.steps % self.state_every == 0:
+        state_len, groups = len(optimizer.state), len(optimizer.param_groups)
+        if (tracked.rescan or state_len != tracked.state_len or groups != tracked.groups
+                or tracked.steps % self.state_every == 0):
             tracked.rescan = False
-            tracked.state_len = state_len
+            tracked.state_len, tracked.groups = state_len, groups
             sizes = measure(optimizer)
         self.agent.record(self._on_step, tracked.label, duration, learning_rates(optimizer.param_groups), sizes)
 
