@@ -8,6 +8,7 @@ import os
 import resource
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,17 @@ def _hello(run: str, rank: int, pid: int = 4242) -> Hello:
 def _connect(path: Path, hello: Hello) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
-    sock.connect(str(path))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            sock.connect(str(path))
+            break
+        except BlockingIOError:
+            # A Unix socket's connect() with a timeout fails at once with EAGAIN while the listen
+            # backlog is full (a loaded machine, a daemon still accepting the earlier ones of a flood).
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     sock.sendall(encode(hello))
     return sock
 
