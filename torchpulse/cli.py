@@ -64,6 +64,20 @@ def _bounded_float(low: float, high: float, low_open: bool = False) -> Callable[
     return parse
 
 
+def _sample_rate(low: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value == 0:
+            return 0.0  # sampling off
+        if not low <= value <= 1:  # NaN fails here too
+            raise argparse.ArgumentTypeError(f"must be 0 (off) or from {low:g} to 1, got {text}")
+        return value
+    return parse
+
+
 def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from torchpulse.protocol import MAX_COMMAND_TIMEOUT, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
 
@@ -82,7 +96,7 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action.add_argument("probe")
     sample = actions.add_parser("sample", parents=[common], help="set a probe's sampling rate, e.g. autograd 0.1")
     sample.add_argument("probe")
-    sample.add_argument("rate", type=_bounded_float(MIN_SAMPLE_RATE, 1.0))
+    sample.add_argument("rate", type=_sample_rate(MIN_SAMPLE_RATE), help="0 (off), or from 1e-06 to 1")
     log = actions.add_parser("autograd-log", parents=[common], help="log every autograd node for N passes")
     log.add_argument("passes", type=_bounded_int(1, MAX_LOG_PASSES))
     trace = actions.add_parser("trace", parents=[common], help="capture a torch.profiler trace of N steps")

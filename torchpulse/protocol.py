@@ -33,7 +33,8 @@ FieldValue = str | int | float | bool | None
 MAX_TRACE_STEPS: Final = 100
 # Autograd logging hooks every node of a logged pass and emits one event per node.
 MAX_LOG_PASSES: Final = 100
-# `sample RATE` times 1 pass in round(1/RATE); a longer period would never come round.
+# `sample RATE` times 1 pass in round(1/RATE); a longer period would never come round. RATE 0 switches
+# sampling off.
 MIN_SAMPLE_RATE: Final = 1e-6
 # How long a command may wait for its answers; longer, and a client's typo holds the daemon for days.
 MAX_COMMAND_TIMEOUT: Final = 3600.0

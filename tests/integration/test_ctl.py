@@ -199,7 +199,7 @@ def test_commands_are_not_starved_by_heavy_event_traffic(daemon: DaemonProcess) 
     (["status", "--run", "x", "--timeout", "inf"], "argument --timeout: must be from 0 (exclusive) to 3600"),
     (["status", "--run", "x", "--timeout", "0"], "argument --timeout: must be from 0 (exclusive) to 3600"),
     (["autograd-log", "99999999999999999999999", "--run", "x"], "argument passes: must be from 1 to 100"),
-    (["sample", "autograd", "1e-30", "--run", "x"], "argument rate: must be from 1e-06 to 1, got 1e-30"),
+    (["sample", "autograd", "1e-30", "--run", "x"], "argument rate: must be 0 (off) or from 1e-06 to 1, got 1e-30"),
     (["trace", "--steps", "100000", "--out", "/tmp/t", "--run", "x"], "argument --steps: must be from 1 to 100"),
     (["trace", "--steps", "5", "--out", "/tmp/t", "--run", "x", "--start-step", "1" + "0" * 30],
      "argument --start-step: must be from 0 to"),

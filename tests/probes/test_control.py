@@ -202,9 +202,9 @@ KNOWN = "autograd, checkpoint, compile, cudagraphs, optimizer"
     ("trace", {"steps": True, "out": "/tmp"}, "steps must be an integer from 1 to 100, got True"),
     ("trace", {"steps": 2, "out": "relative/dir"}, "out must be an absolute directory path, got 'relative/dir'"),
     ("trace", {"steps": 2, "out": "/tmp", "start_step": 2.5}, "start_step must be an integer, got 2.5"),
-    ("sample", {"probe": "autograd", "rate": 1e-30}, "rate must be a number from 1e-06 to 1, got 1e-30"),
-    ("sample", {"probe": "autograd", "rate": math.nan}, "rate must be a number from 1e-06 to 1, got nan"),
-    ("sample", {"probe": "autograd", "rate": "0.1"}, "rate must be a number from 1e-06 to 1, got '0.1'"),
+    ("sample", {"probe": "autograd", "rate": 1e-30}, "rate must be 0 (off) or a number from 1e-06 to 1, got 1e-30"),
+    ("sample", {"probe": "autograd", "rate": math.nan}, "rate must be 0 (off) or a number from 1e-06 to 1, got nan"),
+    ("sample", {"probe": "autograd", "rate": "0.1"}, "rate must be 0 (off) or a number from 1e-06 to 1, got '0.1'"),
     ("autograd-log", {"passes": 10**12}, "passes must be an integer from 1 to 100, got 1000000000000"),
     ("enable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
     ("disable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
@@ -371,4 +371,27 @@ def test_a_status_that_fails_is_answered_and_never_raises_into_the_sender() -> N
             (r.id, r.ok, r.message) for r in agent.control.results]
     finally:
         del agent.probes["autograd"]
+        agent.shutdown()
+
+
+def test_sample_sets_the_autograd_period_and_rate_zero_switches_timing_off() -> None:
+    """`sample autograd 0.25` times 1 pass in 4 from the next boundary; `sample autograd 0` times none."""
+    agent = local_agent(("optimizer", "autograd"))
+    assert isinstance(agent, Agent)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _step(model, optimizer)
+        agent.control.receive(Command(1, "sample", {"probe": "autograd", "rate": 0.25}))
+        _step(model, optimizer, 9)
+        agent.control.receive(Command(2, "sample", {"probe": "autograd", "rate": 0}))
+        _step(model, optimizer)
+        agent.drain()
+        sampled = agent.store.value("autograd_sampled_passes_total", ())
+        _step(model, optimizer, 20)
+        agent.drain()
+        assert ([(1, True, {"sample_every": 4}), (2, True, {"sample_every": 0})], sampled) == (
+            [(r.id, r.ok, r.data) for r in agent.control.results],
+            agent.store.value("autograd_sampled_passes_total", ()))
+    finally:
         agent.shutdown()

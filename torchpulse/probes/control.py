@@ -272,7 +272,7 @@ class Control:
         rate = command.args["rate"]
         if not isinstance(rate, int | float):  # checked on arrival; this keeps mypy and `python -O` honest
             raise CommandFailed("rate must be a number")
-        every = max(1, round(1 / rate))
+        every = 0 if rate == 0 else max(1, round(1 / rate))  # 0: sampling off
         self._probe_method(command, "set_sample_every")(every)
         return {"sample_every": every}
 
