@@ -38,6 +38,9 @@ class FakeWorker:
         status = Status.INVALID if path in self.invalid else Status.VALID
         return ValidationResult(path, status, level, (), {"bytes": 10})
 
+    def called(self, times: int) -> bool:
+        return times == len(self.calls)
+
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
@@ -58,6 +61,12 @@ def _run(tmp_path: Path, config: CheckpointsConfig,
             await service.close()
 
     asyncio.run(main())
+
+
+def _tiny_checkpoint(path: Path) -> None:
+    """A committed checkpoint as far as the watcher can tell (the fake worker reads nothing)."""
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
 
 
 @pytest.fixture
@@ -344,3 +353,72 @@ def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
     with capture_logs() as logs:
         _run(tmp_path, config, body)
     assert [150_000] == [e["findings"] for e in logs if e["event"] == "checkpoint validated"]
+
+
+class GatedWorker(FakeWorker):
+    """The first validation waits for the gate: a backlog builds up behind it."""
+
+    def __init__(self) -> None:
+        super().__init__(seconds=0.0)
+        self.gate = asyncio.Event()
+
+    async def __call__(self, path: str, level: Level, limits: Limits) -> ValidationResult:
+        if self.calls:
+            return await super().__call__(path, level, limits)
+        self.calls.append(path)
+        await self.gate.wait()
+        return ValidationResult(path, Status.VALID, level, (), {"bytes": 10})
+
+
+def test_saves_faster_than_validations_validate_the_newest_checkpoint_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three saves committed during a long validation: the newest is validated next, the backlog after it."""
+    worker = GatedWorker()
+    monkeypatch.setattr(checkpoint_runner, "validate", worker)
+    root = tmp_path / "root"
+    root.mkdir()
+    # Polled once an hour: the announcements alone say what was committed, in this order.
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=3600.0,
+                               debounce_seconds=0.0)
+    steps = [root / f"step-{n}" for n in range(1, 5)]
+
+    async def body(service: CheckpointService) -> None:
+        await asyncio.sleep(0.2)  # the first sweep's scan is over
+        for step in steps:
+            _tiny_checkpoint(step)
+            service.announce("run", 0, CheckpointSaved(str(step), "save", 1.0, True))
+            if step == steps[0]:
+                await _until(lambda: [str(steps[0])] == worker.calls)
+            await asyncio.sleep(0.05)
+        worker.gate.set()
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 4)
+        assert "valid" == service.stats.root(str(root)).last_status
+
+    _run(tmp_path, config, body)
+    assert [str(steps[n]) for n in (0, 3, 2, 1)] == worker.calls
+
+
+def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_to_spare(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two validation slots, the re-validation of a checkpoint rewritten under the first one is not lost."""
+    step = tmp_path / "root" / "step-1"
+    _tiny_checkpoint(step)
+
+    class OverwritingWorker(FakeWorker):
+        async def __call__(self, path: str, level: Level, limits: Limits) -> ValidationResult:
+            if not self.calls:  # the job saves into the same directory again meanwhile
+                (step / ".metadata.tmp").write_bytes(b"the next save")
+                (step / ".metadata.tmp").rename(step / ".metadata")
+            return await super().__call__(path, level, limits)
+
+    worker = OverwritingWorker()
+    monkeypatch.setattr(checkpoint_runner, "validate", worker)
+    config = CheckpointsConfig(roots=(RootConfig(str(step.parent), "polling"),), poll_interval_seconds=3600.0,
+                               max_concurrent_validations=2, debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
+        await asyncio.sleep(0.3)
+
+    _run(tmp_path, config, body)
+    assert [str(step), str(step)] == worker.calls

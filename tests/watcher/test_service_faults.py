@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
+import functools
 import os
 import sys
 import threading
@@ -14,8 +16,9 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
+from watchdog.observers import inotify_c
 
-from tests.watcher.test_service import FakeWorker, _run, _until
+from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_roots, checkpoint_runner, checkpoint_service, watcher
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_mounts import Mount
@@ -42,11 +45,6 @@ def _events(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
 
 def _saved(path: str) -> CheckpointSaved:
     return CheckpointSaved(path, "save", 1.0, True)
-
-
-def _tiny_checkpoint(path: Path) -> None:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"x")
 
 
 @pytest.fixture
@@ -113,6 +111,22 @@ def test_an_unusable_announced_path_is_refused_once_and_never_stored(
     store = StateStore(tmp_path / "state")
     assert [str(good.parent)] == list(store.announced_roots())
     store.close()
+
+
+def test_saves_to_a_url_are_skipped_with_one_line_per_run_not_one_warning_per_save(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """The probe sends fsspec URLs on as they are (documented: the daemon ignores them)."""
+    async def body(service: CheckpointService) -> None:
+        for step in range(3):
+            service.announce("run", 0, _saved(f"s3://bucket/job/step-{step}"))
+        await service.sweep()
+        assert [] == service.roots()
+
+    with capture_logs() as logs:
+        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+    assert [] == _events(logs, "announced checkpoint path refused")
+    assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoints saved to a URL")]
+    assert [] == worker.calls
 
 
 def test_an_exception_in_announce_never_reaches_the_agent_server(
@@ -399,6 +413,52 @@ def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
     assert [str(root)] == [entry["root"] for entry in _events(logs, "inotify cannot watch")]
 
 
+class WatchBudget:
+    """inotify_add_watch as the kernel answers once the user's watches run out: ENOSPC past `left` more watches."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.refused: list[bytes] = []
+        self.real = inotify_c.inotify_add_watch
+
+    def __call__(self, fd: int, path: bytes, mask: int) -> int:
+        if self.left <= 0:
+            self.refused.append(path)
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        self.left -= 1
+        return int(self.real(fd, path, mask))
+
+
+@pytest.mark.parametrize("existing", [0, 3], ids=["new-directory", "at-start"])
+def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
+        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch, existing: int) -> None:
+    """watchdog ignores a subdirectory it cannot watch: ENOSPC there (at the first walk, or for a checkpoint
+    directory created later) must still make the root polled, logged, and no checkpoint wait for a sweep."""
+    root = tmp_path / "root"
+    root.mkdir()
+    for step in range(existing):
+        _tiny_checkpoint(root / f"old-{step}")
+    budget = WatchBudget(left=2)  # the root and one directory
+    monkeypatch.setattr(inotify_c, "inotify_add_watch", budget)
+    # The sweeps run every 60 s: whatever is validated below was found by a watch (or the catch-up after a loss).
+    config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        await _until(lambda: len(worker.calls) == existing)
+        await asyncio.sleep(0.2)  # the first sweep's scan is over
+        for step in range(3):
+            _tiny_checkpoint(root / f"step-{step}")
+            await _until(functools.partial(worker.called, existing + step + 1))
+        assert {str(root): "polling"} == service._watcher.watched()
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert [] != budget.refused
+    assert ["inotify watch limit reached"] == [entry["error"] for entry in _events(logs, "inotify cannot watch")]
+
+
 # -- 7: a symlinked root into a network mount ---------------------------------------------------------------
 def test_a_symlinked_root_into_an_nfs_mount_is_polled(tmp_path: Path, worker: FakeWorker) -> None:
     target = tmp_path / "nfs" / "ckpt"
@@ -420,6 +480,32 @@ def test_a_symlinked_root_into_an_nfs_mount_is_polled(tmp_path: Path, worker: Fa
             await service.close()
 
     asyncio.run(main())
+
+
+def test_a_symlinked_root_watched_with_inotify_sees_new_checkpoints_and_follows_a_repointed_link(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """inotify does not follow a symlinked root: the watch is on its target, events are reported under the link,
+    and the link pointed elsewhere is followed from the next sweep on (no sweep finds these: they run every 60 s)."""
+    first, second = tmp_path / "nvme-a" / "ckpt", tmp_path / "nvme-b" / "ckpt"
+    first.mkdir(parents=True)
+    second.mkdir(parents=True)
+    link = tmp_path / "ckpt"
+    link.symlink_to(first)
+    config = CheckpointsConfig(roots=(RootConfig(str(link), "inotify"),), debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await asyncio.sleep(0.2)  # the first sweep's scan is over
+        _tiny_checkpoint(link / "step-1")
+        await _until(lambda: len(worker.calls) == 1)
+        link.unlink()
+        link.symlink_to(second)
+        await service.sweep()
+        _tiny_checkpoint(link / "step-2")
+        await _until(lambda: len(worker.calls) == 2)
+        assert 2 == service.stats.root(str(link)).validations["valid"]
+
+    _run(tmp_path, config, body)
+    assert [str(link / "step-1"), str(link / "step-2")] == worker.calls
 
 
 # -- minor: dangling shard symlinks and directories named like shards -------------------------------------------
@@ -451,3 +537,31 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
         _run(tmp_path, config, body)
     assert sorted([str(with_dir), str(with_link)]) == sorted(worker.calls)
     assert [] == _events(logs, "checkpoint vanished")
+
+
+def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
+        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch-limit hook uses watchdog 7's private InotifyWatchGroup: if its shape differs, the root is
+    watched by watchdog's own start (a commit is still seen at once) and the lost hook is said once."""
+    from torchpulse.daemon import watcher as watcher_module
+
+    def other_shape(*_args: object, **_kwargs: object) -> None:
+        raise TypeError("__init__() got an unexpected keyword argument 'follow_symlink'")
+
+    monkeypatch.setattr(watcher_module, "InotifyWatchGroup", other_shape)
+    monkeypatch.setattr(watcher_module, "_limit_hook_noted", False)
+    root = tmp_path / "root"
+    root.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        assert service._watcher is not None
+        await asyncio.sleep(0.2)  # the first sweep's scan is over; the next is 60 s away
+        _tiny_checkpoint(root / "step-0")
+        await _until(functools.partial(worker.called, 1))
+        assert {str(root): "inotify"} == service._watcher.watched()
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, body)
+    assert 1 == len(_events(logs, "this watchdog's inotify internals differ: running out of inotify watches below "
+                                  "a root is noticed only by the periodic sweep"))

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import run_ranks, save_single
+from tests.watcher.conftest import commit_copy, run_ranks, save_single
 
 pytestmark = pytest.mark.slow
 ANNOUNCE_JOB = Path(__file__).with_name("announce_job.py")
@@ -97,3 +99,44 @@ def test_a_save_announced_by_the_agent_is_validated_under_its_parent(
              timeout=60)
     saves = select(daemon.scrape(), "torchpulse_checkpoint_save_duration_seconds_count", api="save")
     assert [1.0] == list(saves.values())
+
+
+def _with_inotify_watches(limit: int) -> Callable[[], None]:
+    """A preexec_fn: the child runs in its own user namespace, where the kernel grants it `limit` inotify watches
+    (the limit of a user namespace is its own: nothing outside the test is touched)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+
+    def preexec() -> None:
+        if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        Path("/proc/sys/user/max_inotify_watches").write_text(str(limit))
+
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot limit inotify watches in a user namespace here: {exc}")
+    return preexec
+
+
+def test_a_root_past_the_kernels_inotify_watch_limit_is_polled_and_nothing_waits_for_a_sweep(
+        tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
+    """Two watches: the root and step-1. step-2's directory cannot be watched (ENOSPC from the kernel); the
+    daemon says so, polls the root, and validates step-2 and step-3 long before the 60 s sweep."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    args = _config(tmp_path, f'roots = [{{ path = "{root}", observer = "inotify" }}]\npoll_interval_seconds = 0.5\n')
+    daemon = start_daemon(tmp_path, extra_args=args, preexec=_with_inotify_watches(2))
+    stopper.append(daemon)
+    def valid(count: int) -> Callable[[], bool]:
+        return lambda: count == _count(daemon, "torchpulse_checkpoint_validations_total", root=str(root),
+                                       status="valid")
+
+    for step in (1, 2, 3):
+        commit_copy(saved_checkpoint, root / f"step-{step}")
+        wait_for(valid(step), timeout=30)
+    fallbacks = [line for line in daemon.log_lines() if str(line.get("event")).startswith("inotify cannot watch")]
+    assert [(str(root), "inotify watch limit reached")] == [(line["root"], line["error"]) for line in fallbacks]

@@ -4,7 +4,9 @@ Everything here runs on the daemon's event loop. Filesystem events arrive
 from the watcher threads as `WatchEvent`s; agents' announcements arrive from
 the agent server. A committed checkpoint is debounced, re-stat'ed, skipped
 when its metadata key was validated before (also before a restart), and
-validated in a worker process, at most `max_concurrent_validations` at once.
+validated in a worker process, at most `max_concurrent_validations` at once,
+the newest first: when saves come faster than validations, the newest
+checkpoint's status is what matters, and the backlog waits.
 A periodic sweep finds what events missed: checkpoints committed while the
 daemon was down, saves that never committed, roots that came back.
 
@@ -70,10 +72,16 @@ class CheckpointService:
         self._unsaved: dict[str, str] = {}
         self._logged_once: set[str] = set()
         self._debounce: dict[str, asyncio.TimerHandle] = {}
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._queued: set[str] = set()
+        # Paths waiting for validation in the order they were found (a dict is an ordered set); the last goes next.
+        self._pending: dict[str, None] = {}
+        self._has_pending = asyncio.Event()
         self._in_flight: set[str] = set()
+        # Found again while being validated: checked once more when that validation ends (it may have read
+        # the previous save).
+        self._again: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._catch_ups: set[asyncio.Task[None]] = set()
+        self._closing = False
         self._slot_free = asyncio.Event()
         self._sweep_now = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
@@ -115,10 +123,11 @@ class CheckpointService:
         return kept
 
     async def close(self) -> None:
+        self._closing = True  # events still arriving from the watch threads start nothing
         operations = self._watches.close() if self._watches is not None else []
         for handle in self._debounce.values():
             handle.cancel()
-        tasks = [*self._background, *self._tasks, *operations, *self._scans.values()]
+        tasks = [*self._background, *self._tasks, *self._catch_ups, *operations, *self._scans.values()]
         if self._prune_task is not None:
             tasks.append(self._prune_task)
         for task in tasks:
@@ -193,6 +202,8 @@ class CheckpointService:
 
     # -- inputs -------------------------------------------------------------------
     def _on_watch_event(self, event: WatchEvent) -> None:
+        if self._closing:
+            return
         if event.kind == "commit":
             self._commit(event.path)
             return
@@ -204,6 +215,16 @@ class CheckpointService:
                     error=event.detail, now_using=self._watches.wanted.get(event.root))
         # The lost watch no longer counts as watched; its replacement is scheduled off the loop.
         self._watches.reconcile(event.root)
+        # A save committed between the loss and the new watch raised no event: scan once that watch is in place.
+        task = asyncio.create_task(self._catch_up(event.root), name=f"catch up {event.root}")
+        self._catch_ups.add(task)
+        task.add_done_callback(self._catch_ups.discard)
+
+    async def _catch_up(self, root: str) -> None:
+        assert self._watches is not None
+        await self._watches.settle()
+        if root in self._watches.wanted:
+            self._start_scan(root)
 
     def announce(self, run: str, rank: int, saved: CheckpointSaved) -> None:
         """An agent saved a checkpoint; rank 0's announcement asks for its validation.
@@ -217,6 +238,12 @@ class CheckpointService:
 
     def _announce(self, run: str, saved: CheckpointSaved) -> None:
         if not saved.validate:
+            return
+        if "://" in saved.path and not saved.path.startswith("/"):
+            # The probe passes fsspec URLs (s3://...) on as they are: nothing here to validate, and no warning
+            # per save about it either.
+            self._log_once(f"url {run}", "checkpoints saved to a URL are not validated", run=run,
+                           path=repr(saved.path))
             return
         path = _normalize(saved.path)
         problem = _unusable_root(path)
@@ -262,21 +289,25 @@ class CheckpointService:
 
     def _enqueue(self, path: str) -> None:
         self._debounce.pop(path, None)
-        if path not in self._queued:
-            self._queued.add(path)
-            self._queue.put_nowait(path)
+        if path in self._in_flight:
+            self._again.add(path)
+        elif path not in self._pending:
+            self._pending[path] = None
+            self._has_pending.set()
 
     # -- validation ---------------------------------------------------------------
     async def _dispatch(self) -> None:
         while True:
-            path = await self._queue.get()
+            # A slot first, then the path: one found while waiting may be newer.
             while len(self._tasks) >= self.config.max_concurrent_validations:
                 self._slot_free.clear()
                 await self._slot_free.wait()
-            self._queued.discard(path)
-            if path in self._in_flight:
-                # The running validation re-checks the key when it ends.
+            if not self._pending:
+                self._has_pending.clear()
+                await self._has_pending.wait()
                 continue
+            path = next(reversed(self._pending))
+            del self._pending[path]
             self._in_flight.add(path)
             task = asyncio.create_task(self._validate(path), name=f"validate {path}")
             self._tasks.add(task)
@@ -287,6 +318,9 @@ class CheckpointService:
         self._in_flight.discard(path)
         self._slot_free.set()
         log_crash(task, "checkpoint validation crashed", path=path)
+        if path in self._again:
+            self._again.discard(path)
+            self._enqueue(path)  # validated again only if its key changed
 
     def _log_once(self, key: str, event: str, **fields: object) -> None:
         if key in self._logged_once:
@@ -337,7 +371,7 @@ class CheckpointService:
         if not incomplete and (after is None or after[0] != key):
             # Overwritten (or deleted) while it was read: that result describes nothing on disk.
             log.info("checkpoint changed during validation; validating again", path=path)
-            self._enqueue(path)
+            self._enqueue(path)  # once this one has ended
             return
         self._record(path, root, key, committed_at, result, elapsed)
 
@@ -415,15 +449,15 @@ class CheckpointService:
         result: Scan = await off_loop(functools.partial(scan, root), f"torchpulse-scan {root}")
         if self._watches is None or root not in self._watches.wanted:
             return  # dropped while it ran: its series are gone and stay gone
-        for ckpt in sorted(result.committed, key=lambda c: -c.committed_at):
-            if self._usable(ckpt.path) and self._known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce:
-                self._enqueue(ckpt.path)
+        found = [(ckpt.committed_at, ckpt.path) for ckpt in result.committed if self._usable(ckpt.path)
+                 and self._known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce]
         now = time.time()
         stale = [u for u in result.uncommitted if now - u.newest_write >= self.config.incomplete_after_seconds]
         self.stats.root(self._label(root)).incomplete = len(stale)
-        for save in stale:
-            if self._usable(save.path) and self._known_key(save.path) != _incomplete_key_for(save.newest_write):
-                self._enqueue(save.path)
+        found += [(save.newest_write, save.path) for save in stale
+                  if self._usable(save.path) and self._known_key(save.path) != _incomplete_key_for(save.newest_write)]
+        for _, path in sorted(found):  # oldest first: the newest is validated next
+            self._enqueue(path)
 
     async def prune(self) -> None:
         """Forget the records of checkpoint directories deleted since (a job's retention policy)."""

@@ -7,15 +7,20 @@ so checkpoints committed while the daemon was down are found at start.
 Writes are tiny and rare (one row per validation), so they run on the loop.
 Rows of deleted checkpoint directories are forgotten (`prunable`, `forget`),
 so the file stays as large as what is on disk, whatever the job's retention.
+
+Nothing here raises: a file that cannot be opened leaves the state in memory,
+a corrupt one is set aside for a fresh one, and a read that fails answers
+"nothing known" (the checkpoint is validated again), each logged with why.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import structlog
 
@@ -41,6 +46,15 @@ CREATE TABLE IF NOT EXISTS announced_roots (path TEXT PRIMARY KEY, added_at REAL
 _LAST_ANNOUNCED: Final = "ALTER TABLE announced_roots ADD COLUMN last_announced_at REAL"
 # (rule, severity) -> count of findings, as stored in the `findings` column.
 FindingCounts = dict[tuple[str, str], int]
+# How long a write waits for another process's write lock (sqlite's default: 5 s). Writes run on the
+# loop: someone holding the lock (a `sqlite3` shell left in a transaction) must not stall the daemon.
+BUSY_TIMEOUT_SECONDS: Final = 0.5
+# Primary result codes of a damaged file ("database disk image is malformed", "file is not a database").
+_CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The integrity check at open found damage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,36 +86,79 @@ def _decode(text: str) -> FindingCounts:
         return {}
 
 
+def _is_corrupt(exc: sqlite3.Error) -> bool:
+    return isinstance(exc, _Corrupt) or (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _CORRUPT_CODES
+
+
+def _open(path: Path | str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
+    try:
+        db.executescript(SCHEMA)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(announced_roots)")}
+        if "last_announced_at" not in columns:
+            db.execute(_LAST_ANNOUNCED)
+        db.execute("PRAGMA journal_mode=WAL")
+        # Damage past the schema pages shows only when a query reaches it: the first one at start
+        # (restoring the gauges) would fail the daemon's start, every later one a validation or a sweep.
+        problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise _Corrupt("; ".join(problems)[:300])
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 class StateStore:
     """A SQLite file, or memory only when the state directory is not writable."""
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / DB_NAME
+        self._failed_reads: set[str] = set()
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None)
-            self._db.executescript(SCHEMA)
-            self._migrate()
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db = self._open_file()
             self.persistent = True
         except sqlite3.Error as exc:
             # Validation still works; a restart re-validates what it cannot remember.
             log.warning("checkpoint state not persistent; using memory", path=str(self.path), error=str(exc))
-            self._db = sqlite3.connect(":memory:", isolation_level=None)
-            self._db.executescript(SCHEMA)
-            self._migrate()
+            self._db = _open(":memory:")
             self.persistent = False
 
-    def _migrate(self) -> None:
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(announced_roots)")}
-        if "last_announced_at" not in columns:
-            self._db.execute(_LAST_ANNOUNCED)
+    def _open_file(self) -> sqlite3.Connection:
+        try:
+            return _open(self.path)
+        except sqlite3.Error as exc:
+            if not _is_corrupt(exc):
+                raise
+            aside = self.path.with_name(f"{DB_NAME}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            try:
+                self.path.rename(aside)
+                for suffix in ("-wal", "-shm"):  # they belong to the damaged file
+                    self.path.with_name(DB_NAME + suffix).unlink(missing_ok=True)
+            except OSError as move_error:
+                raise sqlite3.OperationalError(f"{exc}; cannot set the file aside: {move_error}") from exc
+            # Kept for a post-mortem; the checkpoints it remembered are validated once more.
+            log.warning("checkpoint state file is corrupt; set aside, starting a new one", path=str(self.path),
+                        moved_to=str(aside), error=str(exc))
+            return _open(self.path)
 
     def close(self) -> None:
         self._db.close()
 
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        """Rows of a query, or none when the file cannot answer (logged once per reason)."""
+        try:
+            return self._db.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            if str(exc) not in self._failed_reads:
+                self._failed_reads.add(str(exc))
+                log.warning("cannot read the checkpoint state; what it holds counts as unknown",
+                            path=str(self.path), error=str(exc))
+            return []
+
     def key_of(self, path: str) -> str | None:
-        row = self._db.execute("SELECT key FROM checkpoints WHERE path = ?", (path,)).fetchone()
-        return str(row[0]) if row else None
+        rows = self._read("SELECT key FROM checkpoints WHERE path = ?", (path,))
+        return str(rows[0][0]) if rows else None
 
     def save(self, record: Record) -> bool:
         """Whether the record was written (a full or read-only disk refuses it)."""
@@ -118,18 +175,16 @@ class StateStore:
 
     def latest_per_root(self) -> list[Record]:
         """The most recent record of each root."""
-        rows = self._db.execute(
+        rows = self._read(
             # SQLite takes the bare columns from the row holding the MAX.
             "SELECT path, root, key, status, level, validated_at, MAX(committed_at), bytes, duration_seconds, "
             "findings FROM checkpoints GROUP BY root"
-        ).fetchall()
+        )
         return [Record(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], _decode(r[9])) for r in rows]
 
     def last_valid_per_root(self) -> dict[str, float]:
         """Commit time of each root's newest valid checkpoint."""
-        rows = self._db.execute(
-            "SELECT root, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root"
-        ).fetchall()
+        rows = self._read("SELECT root, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root")
         return {str(root): float(ts) for root, ts in rows}
 
     def prunable(self) -> list[tuple[str, float]]:
@@ -138,12 +193,12 @@ class StateStore:
         Those two stay even when their directories are gone: they restore the
         last-status and last-valid series at start.
         """
-        rows = self._db.execute(
+        rows = self._read(
             "SELECT path, validated_at FROM checkpoints WHERE path NOT IN ("
             " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints GROUP BY root)"
             " UNION"
             " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root))"
-        ).fetchall()
+        )
         return [(str(path), float(at)) for path, at in rows]
 
     def forget(self, rows: list[tuple[str, float]]) -> None:
@@ -161,9 +216,9 @@ class StateStore:
 
     def announced_roots(self) -> dict[str, float]:
         """Announced root -> when it was last announced (wall clock), most recent first."""
-        rows = self._db.execute(
+        rows = self._read(
             "SELECT path, COALESCE(last_announced_at, added_at) AS last FROM announced_roots ORDER BY last DESC"
-        ).fetchall()
+        )
         return {str(path): float(last) for path, last in rows}
 
     def touch_announced_root(self, path: str, now: float) -> None:

@@ -9,6 +9,10 @@ root. Their threads never touch daemon state: each relevant change becomes a
 failures (a root deleted, the inotify watch limit, a tree too deep to walk)
 become events too, never a dead thread.
 
+A root is watched at its resolved path and its events are reported under
+the configured one: inotify does not follow a symlinked root (watchdog adds
+IN_DONT_FOLLOW), so a watch on the link itself would see nothing created in it.
+
 `ensure`, `unwatch` and `stop` block (they walk and join); the service runs
 them off the loop, one at a time per root. `watched` is cheap.
 """
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Final, Literal
+from typing import Any, Final, Literal, cast
 
 import structlog
 from watchdog.events import (
@@ -37,6 +41,12 @@ from watchdog.events import (
 from watchdog.observers.api import BaseObserver, EventEmitter
 from watchdog.observers.inotify import InotifyEmitter
 from watchdog.observers.polling import PollingEmitter
+
+try:  # watchdog >= 7: watch groups on one shared inotify instance
+    from watchdog.observers.inotify import InotifyWatchGroup
+    from watchdog.observers.inotify_c import InotifyFD
+except ImportError:  # older ones raise the limit at the first walk, and ignore it for new subdirectories
+    InotifyWatchGroup = None  # type: ignore[assignment,misc]
 
 from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
 
@@ -84,11 +94,73 @@ def _exhausts_inotify(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _INOTIFY_LIMITS
 
 
+class _WatchLimit:
+    """The shared inotify instance, seen by one root's watch group: remembers running out of watches.
+
+    watchdog ignores any error adding a watch for a subdirectory (meant for one
+    deleted during the walk), the watch limit included: past the limit, every
+    new checkpoint directory would go unwatched without a word.
+    """
+
+    def __init__(self, inotify: InotifyFD) -> None:
+        self._inotify = inotify
+        self.error: OSError | None = None  # set on the thread that added the watch, read by the emitter's
+
+    def add_callback(self, *args: Any) -> Any:
+        try:
+            return self._inotify.add_callback(*args)
+        except OSError as exc:
+            if _exhausts_inotify(exc) and self.error is None:
+                self.error = exc
+            raise
+
+    def remove_callbacks(self, *args: Any) -> None:
+        self._inotify.remove_callbacks(*args)
+
+
+_limit_hook_noted = False
+
+
+def _note_no_limit_hook(exc: BaseException) -> None:
+    global _limit_hook_noted
+    if not _limit_hook_noted:
+        _limit_hook_noted = True
+        log.warning("this watchdog's inotify internals differ: running out of inotify watches below a root "
+                    "is noticed only by the periodic sweep", error=describe(exc))
+
+
 class _SafeInotifyEmitter(InotifyEmitter):
+    _limit: _WatchLimit | None = None
+
+    def on_thread_start(self) -> None:
+        if InotifyWatchGroup is None:
+            super().on_thread_start()
+            return
+        # InotifyEmitter's, with the group adding its watches through a _WatchLimit. Private to
+        # watchdog 7: another shape falls back to its own start (the limit is then met silently).
+        try:
+            limit = _WatchLimit(self._inotify_fd)
+            group = InotifyWatchGroup(cast("InotifyFD", limit), os.fsencode(self.watch.path),
+                                      is_recursive=self.watch.is_recursive,
+                                      event_mask=self.get_event_mask_from_filter(),
+                                      follow_symlink=self.watch.follow_symlink)
+        except (AttributeError, TypeError) as exc:
+            _note_no_limit_hook(exc)
+            super().on_thread_start()
+            return
+        self._limit = limit
+        if self._limit.error is not None:
+            group.deactivate()  # the watches it did get are needed elsewhere
+            raise self._limit.error
+        self._inotify = group
+
     def queue_events(self, timeout: float, *, full_events: bool = False) -> None:
         try:
             super().queue_events(timeout, full_events=full_events)
-        # ENOSPC adding a watch for a new subdirectory; RecursionError walking a very deep new one.
+            # A new subdirectory it could not watch: its creation is the event just read.
+            if self._limit is not None and self._limit.error is not None:
+                raise self._limit.error
+        # The watch limit reached by a new subdirectory; RecursionError walking a very deep new one.
         except Exception as exc:
             self.queue_event(BackendError(self.watch.path, error=describe(exc)))
             self.stop()
@@ -115,11 +187,18 @@ class _RootObserver(BaseObserver):
 class _Handler(FileSystemEventHandler):
     """Runs on a watchdog thread: classify, then hand over to the loop."""
 
-    def __init__(self, root: str, send: Callable[[WatchEvent], None], lost: threading.Event) -> None:
+    def __init__(self, root: str, target: str, send: Callable[[WatchEvent], None], lost: threading.Event) -> None:
         self.root = root
+        self.target = target  # the resolved root, where the events happen
         self.send = send
         # Set before the service hears of the loss, so that `watched()` never reports this watch again.
         self.lost = lost
+
+    def _under_root(self, path: str) -> str:
+        """`path` (under the resolved root) as it reads under the configured root."""
+        relative = os.path.relpath(path, self.target)
+        outside = relative == ".." or relative.startswith("../")
+        return path if outside else str(PurePath(self.root, relative))
 
     def dispatch(self, event: FileSystemEvent) -> None:
         if isinstance(event, BackendError):
@@ -127,10 +206,10 @@ class _Handler(FileSystemEventHandler):
             self.send(WatchEvent("backend_error", self.root, self.root, event.error))
         elif isinstance(event, FileMovedEvent) and is_metadata_name(PurePath(str(event.dest_path)).name):
             # `.metadata.tmp` renamed to `.metadata`: the save committed.
-            self.send(WatchEvent("commit", self.root, str(PurePath(str(event.dest_path)).parent)))
+            self.send(WatchEvent("commit", self.root, self._under_root(str(PurePath(str(event.dest_path)).parent))))
         elif isinstance(event, FileCreatedEvent) and is_metadata_name(PurePath(str(event.src_path)).name):
-            self.send(WatchEvent("commit", self.root, str(PurePath(str(event.src_path)).parent)))
-        elif isinstance(event, DirDeletedEvent) and os.path.normpath(str(event.src_path)) == self.root:
+            self.send(WatchEvent("commit", self.root, self._under_root(str(PurePath(str(event.src_path)).parent))))
+        elif isinstance(event, DirDeletedEvent) and os.path.normpath(str(event.src_path)) == self.target:
             self.lost.set()
             self.send(WatchEvent("root_deleted", self.root, self.root))
 
@@ -148,6 +227,7 @@ class Outcome:
 @dataclass(frozen=True, slots=True)
 class _Entry:
     kind: str
+    target: str  # the resolved root it watches: a symlinked root pointed elsewhere needs a new watch
     interval: float
     observer: BaseObserver
     lost: threading.Event
@@ -206,19 +286,20 @@ class Watcher:
         """
         kind = observer
         try:
-            kind = choose_observer(os.path.realpath(root), observer, self._mounts())
+            target = os.path.realpath(root)
+            kind = choose_observer(target, observer, self._mounts())
             with self._lock:
                 entry = self._watches.get(root)
-            if entry is not None and entry.kind == kind and entry.live(self._poll_interval):
+            if entry is not None and entry.kind == kind and entry.target == target and entry.live(self._poll_interval):
                 return Outcome(kind)
             self.unwatch(root)
-            self._schedule(root, kind)
+            self._schedule(root, target, kind)
         # Anything: OSError, ValueError (a NUL byte), RecursionError (a tree too deep to walk)...
         except Exception as exc:
             return Outcome(kind, error=describe(exc), exhausted=kind == "inotify" and _exhausts_inotify(exc))
         return Outcome(kind, changed=True)
 
-    def _schedule(self, root: str, kind: str) -> None:
+    def _schedule(self, root: str, target: str, kind: str) -> None:
         interval = self._poll_interval
         if kind == "polling":
             observer = _RootObserver(_SafePollingEmitter, timeout=interval)
@@ -226,7 +307,7 @@ class Watcher:
             observer = _RootObserver(_SafeInotifyEmitter, timeout=INOTIFY_TIMEOUT)
         observer.name = f"torchpulse-watch-{kind}"
         lost = threading.Event()
-        observer.schedule(_Handler(root, self._send, lost), root, recursive=True)
+        observer.schedule(_Handler(root, target, self._send, lost), target, recursive=True)
         try:
             observer.start()  # the first snapshot or the recursive inotify walk happens here
         except BaseException:
@@ -234,7 +315,7 @@ class Watcher:
             raise
         with self._lock:
             if not self._stopped:
-                self._watches[root] = _Entry(kind, interval, observer, lost)
+                self._watches[root] = _Entry(kind, target, interval, observer, lost)
                 return
         _stop_all([observer])  # scheduled while the daemon was stopping
         raise RuntimeError("the watcher is stopped")

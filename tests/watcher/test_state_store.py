@@ -1,0 +1,115 @@
+"""The validation state file when it is damaged or locked: the daemon starts, keeps serving and says why."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
+from torchpulse.daemon import checkpoint_runner
+from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoint_state import DB_NAME, StateStore
+from torchpulse.protocol import CheckpointSaved
+
+PAGE = 4096  # sqlite's default page size: page 1 holds the header and the schema
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
+    fake = FakeWorker(seconds=0.01)
+    monkeypatch.setattr(checkpoint_runner, "validate", fake)
+    return fake
+
+
+def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """The first query past page 1 failed the start; now the file is moved aside, the checkpoint validated once
+    more and remembered in a new file."""
+    root = tmp_path / "root"
+    _tiny_checkpoint(root / "step-1")
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
+
+    async def validated(service: CheckpointService) -> None:
+        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+
+    _run(tmp_path, config, validated)
+    state = tmp_path / "state" / DB_NAME
+    assert not state.with_name(DB_NAME + "-wal").exists()  # closed cleanly: everything is in the file
+    with state.open("r+b") as file:
+        file.seek(PAGE)
+        file.write(b"\xa5" * (state.stat().st_size - PAGE))
+
+    with capture_logs() as logs:
+        _run(tmp_path, config, validated)
+
+    async def restarted(service: CheckpointService) -> None:
+        await service.sweep()
+        await asyncio.sleep(0.2)
+
+    _run(tmp_path, config, restarted)
+    assert [str(root / "step-1")] * 2 == worker.calls
+    [corrupt] = [entry for entry in logs if entry["event"].startswith("checkpoint state file is corrupt")]
+    assert [Path(corrupt["moved_to"])] == list(state.parent.glob(f"{DB_NAME}.corrupt-*"))
+
+
+@pytest.fixture
+def locked_state(tmp_path: Path) -> Iterator[Path]:
+    """Yields the state directory once another process holds the state file's write lock."""
+    state = tmp_path / "state"
+    state.mkdir()
+    StateStore(state).close()  # the daemon opens it fine, and then cannot write
+    script = ("import sqlite3, sys\n"
+              f"db = sqlite3.connect({str(state / DB_NAME)!r}, isolation_level=None)\n"
+              "db.execute('BEGIN IMMEDIATE')\n"
+              "print('locked', flush=True)\n"
+              "sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None
+        assert "locked" == holder.stdout.readline().strip()
+        yield state
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.usefixtures("locked_state")
+def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
+        tmp_path: Path, worker: FakeWorker) -> None:
+    """Each write waited 5 s for the lock on the event loop (metrics, agents, everything); now briefly, then it
+    is logged and the result kept in memory."""
+    step = tmp_path / "job" / "step-1"
+    _tiny_checkpoint(step)
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - before)
+
+    async def body(service: CheckpointService) -> None:
+        beat = asyncio.create_task(heartbeat())
+        try:
+            service.announce("run", 0, CheckpointSaved(str(step), "save", 1.0, True))  # writes the new root
+            await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
+            for _ in range(2):
+                await service.sweep()
+        finally:
+            beat.cancel()
+
+    with capture_logs() as logs:
+        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+    assert [str(step)] == worker.calls
+    assert max(gaps) < 2.5
+    assert ["database is locked"] == [entry["error"] for entry in logs
+                                      if entry["event"] == "cannot persist a checkpoint result"]
