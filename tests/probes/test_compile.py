@@ -132,7 +132,8 @@ def test_each_recompile_is_counted_once_with_its_reason(scenario: Scenario) -> N
 def test_recompile_limit_hit_is_counted(scenario: Scenario) -> None:
     """The frame that hit the (lowered) recompile limit is counted once under its function."""
     torch_hits = [m for m in scenario.metrics if is_recompile_limit(
-        m.fail_type, m.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES)]
+        m.fail_type, m.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES,
+        tf.RECOMPILE_LIMIT_ERRORS)]
     assert 1 == len(torch_hits)
     assert {(_label(limit_fn),): 1.0} == _series(scenario.agent, "recompile_limit_hits_total")
 
@@ -218,3 +219,49 @@ def test_records_queued_before_detach_keep_their_labels(scenario: Scenario) -> N
     agent.drain()
     assert {(_label(detach_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
     assert {(_label(detach_fn), "tensor_size"): 1.0} == _series(agent, "recompiles_total")
+
+
+def fullgraph_fn(x: torch.Tensor) -> torch.Tensor:
+    return x * 4
+
+
+def test_fullgraph_recompile_limit_hit_is_counted_and_raised_unchanged(scenario: Scenario) -> None:
+    """Under fullgraph=True a limit hit raises FailOnRecompileLimitHit into the job: a limit hit, not a recompile.
+
+    (Its message, "Hard failure due to fullgraph=True", names no limit: it was counted as a tensor_size recompile.)
+    """
+    agent: Any = local_agent(("compile",))
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            compiled = torch.compile(fullgraph_fn, backend="eager", fullgraph=True, dynamic=False)
+            compiled(torch.randn(1))
+            with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit, match="fullgraph=True"):
+                compiled(torch.randn(2))
+        agent.drain()
+    finally:
+        agent.shutdown()
+    assert {(_label(fullgraph_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
+    assert {} == _series(agent, "recompiles_total")
+    assert {("ok",): 1.0, ("failed",): 1.0} == _series(agent, "compile_frames_total")
+
+
+def early_fn(x: torch.Tensor) -> torch.Tensor:
+    return x * 5
+
+
+def test_limit_hit_of_a_function_compiled_before_attach_names_it(scenario: Scenario) -> None:
+    """A probe attached to a running job names a limit hit by the frame's compiles before it (Dynamo's history).
+
+    (It was labelled "? (?:?)": a limit hit carries no code name.)
+    """
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled = torch.compile(early_fn, backend="eager", dynamic=False)
+        compiled(torch.randn(1))
+        compiled(torch.randn(2))
+        agent: Any = local_agent(("compile",))
+        try:
+            compiled(torch.randn(3))
+            agent.drain()
+        finally:
+            agent.shutdown()
+    assert {(_label(early_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")

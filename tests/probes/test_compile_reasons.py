@@ -27,6 +27,41 @@ RECOMPILE_REASONS = [
     ("4/0: G['o'].v == 1                         # x*o.v  # mp/t.py:27 in <lambda>", "global_or_module_attribute"),
     ("4/0: L['self']._modules['lin'].training == True", "global_or_module_attribute"),
     ("9/0: something torch will invent later", "other"),
+    # Dynamic shapes: symbolic size guards (automatic dynamic's 0/1 specialization, mark_dynamic ranges).
+    ("0/1: 2 <= x.size()[0]  # def f(x): return x*2  # mp/t.py:9 in f (user code shown is first use of this "
+     "value--the guard itself is not due user code but due to 0/1 specialization in the framework; to avoid "
+     "specialization try torch._dynamo.decorators.mark_unbacked(tensor, dim))", "tensor_size"),
+    ("0/0: 2 <= x.size()[0] <= 8  # def md(x): return x*2  # mp/t.py:24 in md", "tensor_size"),
+    ("0/0: 4 <= x.size()[0]  # if x.shape[0] > 3: return x*2  # mp/t.py:20 in br", "tensor_size"),
+    # Global state other than grad mode is not grad mode.
+    ("0/0: GLOBAL_STATE changed: autocast(cpu)_enabled ", "other"),
+    ("0/0: GLOBAL_STATE changed: deterministic_algorithms ", "other"),
+    ("0/0: GLOBAL_STATE changed: grad_mode autocast(cpu)_enabled ", "grad_mode"),
+    # Another device fails the dispatch-key check first (captured: cpu -> meta); an inference tensor does not.
+    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+     "AutogradCPU), actual DispatchKeySet(Meta, BackendSelect, ADInplaceOrView, AutogradMeta)", "device"),
+    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+     "AutogradCPU), actual DispatchKeySet(CUDA, BackendSelect, ADInplaceOrView, AutogradCUDA)", "device"),
+    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+     "AutogradCPU), actual DispatchKeySet(CPU, BackendSelect, ADInplaceOrView)", "other"),
+    # Attributes of the compiled module itself are module attributes, like those of its submodules.
+    ("0/0: self.training == True                                    # def forward(self, x): return "
+     "torch.nn.functional.dropout(x, self.p, self.training)  # mp/t.py:16 in forward", "global_or_module_attribute"),
+    ("0/0: self.p == 0.5                                            # return F.dropout(x, self.p)  # mp/t.py:54",
+     "global_or_module_attribute"),
+    ("0/0: ___check_type_id(self._modules['act'], 93882633422352), type=<class 'torch.nn.modules.activation.ReLU'>"
+     "  # x = self.act(self.lin(x))  # mp/t.py:52 in forward", "global_or_module_attribute"),
+    ("0/0: expected type of 's._modules['lin']._parameters['bias']' to be a tensor type, ' but found <class "
+     "'NoneType'>", "global_or_module_attribute"),
+    # ...but the constant a value is compared with, or the type in a repr, is not an attribute of anything.
+    ("0/0: d == torch.float64                                       # def dt(x, d): return x.to(d)  # mp/t.py:19",
+     "python_value"),
+    ("0/0: ___check_obj_id(fn, 140362271447680), type=<class 'builtin_function_or_method'>  # def ff(x, fn): "
+     "return fn(x)  # mp/t.py:21 in ff", "python_value"),
+    # Sentences about the cache are no guard.
+    ("0/0: BACKEND_MATCH failure: torch.compile detected different backend callables. Cached backend: eager. New "
+     "backend: eager. If this is unexpected, wrap your backend in functools.partial", "other"),
+    ("0/0: Cache line invalidated because G['model'] got deallocated", "other"),
 ]
 
 
@@ -37,7 +72,7 @@ def test_recompile_reasons_are_classified(reason: str, expected: str) -> None:
 
 
 def test_graph_break_message_is_split_into_kind_and_location() -> None:
-    """The generic 'attempting to trace' line is skipped in favour of Dynamo's graph-break type."""
+    """Dynamo's context lines ('attempting to trace', 'Skipping the function') give way to its graph-break type."""
     message = (
         "Graph break in user code at /tmp/job/train.py:41\n"
         "Graph Break Reason: Encountered graph break when attempting to trace CALL: a function call:\n\n"
@@ -47,6 +82,13 @@ def test_graph_break_message_is_split_into_kind_and_location() -> None:
     parsed = parse_graph_break(message)
     assert parsed is not None
     assert ("Call to `torch._dynamo.graph_break()`", "/tmp/job/train.py", 41) == parsed[:3]
+    skipped = (
+        "Graph break in user code at /tmp/job/train.py:10\n"
+        "Graph Break Reason: Failed to handle graph break gracefully. Skipping the function and falling back to "
+        "eager. Graph break encountered:\n\nCall to `torch._dynamo.graph_break()`\n  Explanation: User-inserted "
+        "graph break. Message: None\n\nUser code traceback:\n  File ..."
+    )
+    assert ("Call to `torch._dynamo.graph_break()`", "/tmp/job/train.py", 10) == parse_graph_break(skipped)[:3]  # type: ignore[index]
     duplicate = ("Graph break (user stack suppressed due to duplicate graph break) in user code at "
                  "/tmp/a.py:7\nGraph Break Reason: Failed to trace builtin operator\n  Explanation: x")
     assert ("Failed to trace builtin operator", "/tmp/a.py", 7) == parse_graph_break(duplicate)[:3]  # type: ignore[index]
@@ -139,3 +181,21 @@ def test_log_tap_adopts_a_level_set_after_it() -> None:
     assert (["d", "w", "e"], ["e"]) == (seen, printed)
     tap.remove()
     assert logging.ERROR == logger.level
+
+
+def test_log_tap_adopts_a_level_set_after_it_equal_to_its_own() -> None:
+    """A level set later that equals the tap's own (set_logs(graph_breaks=True) sets DEBUG) is theirs: records pass.
+
+    (They were refused: by its value alone the level still looked like the tap's.)
+    """
+    parent = logging.getLogger("tp_tap_test3")
+    parent.setLevel(logging.WARNING)
+    printed = _capture(parent)
+    child = logging.getLogger("tp_tap_test3.child")
+    tap = LogTap(child.name, logging.DEBUG, lambda r: None)
+    child.setLevel(logging.NOTSET)  # what set_logs does first...
+    child.setLevel(logging.DEBUG)  # ...then it enables the artifact
+    child.debug("asked for")
+    tap.remove()
+    assert (["asked for"], logging.DEBUG) == (printed, child.level)
+    assert "setLevel" not in vars(child)

@@ -132,6 +132,11 @@ class CompileProbe(Probe):
             if not tf.metrics_logging_enabled():
                 log.warning("torch._dynamo.config.log_compilation_metrics is off; compile metrics stay empty")
             self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
+            # A limit hit names its function only through an earlier compile of the frame, which
+            # may predate the probe (attached late, or to a running job).
+            history = [Compilation.of(m) for m in tf.compilation_metrics_history()
+                       if not getattr(m, "is_runtime", False)]
+            self.agent.record_quiet(self._remember_frames, history)
         self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
         if tf.has("compile_callbacks"):
             self._start = _StartCallback(self.guard(self._on_compile_start))
@@ -168,21 +173,30 @@ class CompileProbe(Probe):
         self.agent.record(self._on_graph_break, record.getMessage())
 
     # -- agent thread ----------------------------------------------------------
-    def _on_compilation(self, c: Compilation) -> None:
-        store = self.agent.store
-        for phase, seconds in phase_seconds(c):
-            store.observe("compile_duration_seconds", (phase,), seconds)
-        if c.is_forward is False:
-            return  # a lazy backward graph is not a frame
+    def _remember_frames(self, compilations: list[Compilation]) -> None:
+        for c in compilations:
+            if c.is_forward is not False:
+                self._function_of(c)
+
+    def _function_of(self, c: Compilation) -> str:
         frame_id = c.compile_id.split("/", 1)[0]
         if c.co_name is not None:
             if len(self._frames) >= MAX_FRAMES:
                 self._frames.clear()
             self._frames[frame_id] = function_label(c.co_name, c.co_filename, c.co_firstlineno)
         # A recompile-limit hit carries no code name; its frame id names the function.
-        function = self._frames.get(frame_id) or function_label(c.co_name, c.co_filename, c.co_firstlineno)
+        return self._frames.get(frame_id) or function_label(c.co_name, c.co_filename, c.co_firstlineno)
+
+    def _on_compilation(self, c: Compilation) -> None:
+        store = self.agent.store
+        for phase, seconds in phase_seconds(c):
+            store.observe("compile_duration_seconds", (phase,), seconds)
+        if c.is_forward is False:
+            return  # a lazy backward graph is not a frame
+        function = self._function_of(c)
         store.inc("compile_frames_total", ("ok" if c.fail_type is None else "failed",))
-        if is_recompile_limit(c.fail_type, c.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES):
+        if is_recompile_limit(c.fail_type, c.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES,
+                              tf.RECOMPILE_LIMIT_ERRORS):
             store.inc("recompile_limit_hits_total", (self._functions(function),))
             self.agent.emit("warning", "recompile limit hit; the function now runs uncompiled",
                             function=function, compile_id=c.compile_id, last_reason=c.recompile_reason)

@@ -7,8 +7,10 @@ So a tap is a *logger filter*: when the logger is not enabled for the level we
 need, the tap lowers that logger's level and then refuses (for everyone) each
 record the logger would not have passed before, so propagation, torch's own
 stderr handlers and the user's root handlers see exactly what they saw before.
-`refresh()` notices when someone else (TORCH_LOGS via `set_logs`, the user)
-changed the level later and adopts their level as the new baseline.
+Whoever sets the level later (`torch._logging.set_logs`, the user, dictConfig)
+sets the baseline: the tap answers that logger's `setLevel`, because the level's
+value alone cannot tell, when it equals the tap's own, whose it is now.
+`refresh()` catches what bypasses `setLevel` (an assignment to `.level`).
 Known gap: `logging.disable(level)` still hides records from the tap.
 """
 
@@ -33,6 +35,29 @@ class _LoggerTap(logging.Filter):
         self.sinks: dict[int, tuple[int, Sink]] = {}
         self._baseline = logger.level  # the level the logger has without us
         self._applied: int | None = None  # the level we set, None when we set nothing
+        self._set_level = self._set_by_others  # one bound method, so that detach() recognises it
+
+    def attach(self) -> None:
+        self.logger.addFilter(self)
+        # An instance attribute shadows Logger.setLevel for this logger only.
+        setattr(self.logger, "setLevel", self._set_level)  # noqa: B010
+
+    def detach(self) -> None:
+        self.logger.removeFilter(self)
+        if self.logger.__dict__.get("setLevel") is self._set_level:
+            delattr(self.logger, "setLevel")
+
+    def _set_by_others(self, level: int | str) -> None:
+        logging.Logger.setLevel(self.logger, level)  # validates, and clears logging's level caches
+        with _lock:
+            if _taps.get(self.logger.name) is not self:
+                return  # a caller kept `logger.setLevel` from before our detach
+            self._baseline = self.logger.level
+            self._applied = None
+            self.apply()
+
+    def _write(self, level: int) -> None:
+        logging.Logger.setLevel(self.logger, level)
 
     # -- level bookkeeping (under _lock) -------------------------------------
     def _needed(self) -> int:
@@ -48,16 +73,16 @@ class _LoggerTap(logging.Filter):
         needed = self._needed()
         if self._baseline_effective() <= needed:
             if self._applied is not None:
-                self.logger.setLevel(self._baseline)
+                self._write(self._baseline)
                 self._applied = None
             return
         if self.logger.level != needed:
-            self.logger.setLevel(needed)
+            self._write(needed)
         self._applied = needed
 
     def restore(self) -> None:
         if self._applied is not None and self.logger.level == self._applied:
-            self.logger.setLevel(self._baseline)
+            self._write(self._baseline)
         self._applied = None
 
     def _baseline_effective(self) -> int:
@@ -87,7 +112,7 @@ class LogTap:
             tap = _taps.get(logger_name)
             if tap is None:
                 tap = _taps[logger_name] = _LoggerTap(logging.getLogger(logger_name))
-                tap.logger.addFilter(tap)
+                tap.attach()
             tap.sinks[id(self)] = (level, sink)
             tap.apply()
         self._tap: _LoggerTap | None = tap
@@ -111,6 +136,6 @@ class LogTap:
                 tap.apply()
                 return
             tap.restore()
-            tap.logger.removeFilter(tap)
+            tap.detach()
             if _taps.get(self.logger_name) is tap:
                 del _taps[self.logger_name]

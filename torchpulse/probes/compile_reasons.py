@@ -32,13 +32,37 @@ _TENSOR_CHECKS: Final = (
     (re.compile(r"\bdevice mismatch|\bdevice index mismatch"), "device"),
     (re.compile(r"\brequires_grad mismatch"), "requires_grad"),
 )
-_GRAD_MODE: Final = re.compile(r"\bgrad_mode\b|GLOBAL_STATE changed")
-# A guard on an attribute (G['o'].v, L['self']._modules['lin'].training) or on a
-# global variable (G['name']).
-_ATTRIBUTE: Final = re.compile(r"^G\[|\]\.\w|\._(modules|parameters|buffers)\[|__dict__")
-_VALUE: Final = re.compile(
-    r"==|!=|\bis\b|___check_obj_id|___check_type_id|___dict_contains|isinstance\(|hasattr\(|len\("
+# A tensor moved to another device fails its dispatch-key check first:
+# "dispatch key set mismatch. expected DispatchKeySet(CPU, ...), actual DispatchKeySet(CUDA, ...)".
+# The first key names the backend; an inference or sparse tensor on the same device differs only later.
+_DISPATCH_KEYS: Final = re.compile(
+    r"dispatch key set mismatch\. expected DispatchKeySet\((\w+).*?actual DispatchKeySet\((\w+)"
 )
+_LAYOUT_PREFIX: Final = re.compile(r"^(SparseCsr|Sparse|Quantized|NestedTensor)")
+# Dynamic shapes guard sizes and strides symbolically: "2 <= x.size()[0]", "2 <= x.size()[0] <= 8".
+_SYMBOLIC_CHECKS: Final = (
+    (re.compile(r"\.size\(\)|\.numel\(\)"), "tensor_size"),
+    (re.compile(r"\.stride\(\)"), "stride"),
+)
+# "GLOBAL_STATE changed: grad_mode autocast(cpu)_enabled " lists every global flag that changed; only
+# grad mode has a class of its own (autocast, deterministic algorithms, default dtype are `other`).
+_GLOBAL_STATE: Final = "GLOBAL_STATE changed:"
+# Reasons that are sentences about the cache, not a failed guard expression.
+_NOT_GUARDS: Final = ("BACKEND_MATCH failure", "Unexpected recompilation", "Duplicate tensors found",
+                      "Unable to find recompilation reasons", "Cache line invalidated")
+_VALUE: Final = re.compile(
+    r"==|!=|<=|>=|<|>|\bis\b|___check_obj_id|___check_type_id|___dict_contains|isinstance\(|hasattr\(|len\("
+)
+# A tensor that became something else: "expected type of 'self._modules['lin']._parameters['bias']' to be a
+# tensor type, ' but found <class 'NoneType'>". The quoted source decides between attribute and value.
+_NOT_A_TENSOR: Final = re.compile(r"^expected type of '(.*)' to be a tensor type")
+# Quoted keys and reprs ("type=<class 'torch.nn.ReLU'>") hold dots that are no attribute access.
+_LITERALS: Final = re.compile(r"'[^']*'|\"[^\"]*\"|<[A-Za-z][^<>]*>")
+_OPERATORS: Final = re.compile(r"==|!=|<=|>=|<|>|\bis not\b|\bis\b|\bnot in\b|\bin\b")
+# The expected side of a comparison: a number, None/True/False, or a torch constant (torch.float64).
+_CONSTANT: Final = re.compile(r"^(-?[\d.]|None$|True$|False$|torch\.)")
+# A global (G['name']) or an attribute of an object: self.training, self._modules['lin'].training, c.__dict__.
+_ATTRIBUTE: Final = re.compile(r"\bG\[|[\w\])]\.[A-Za-z_]")
 
 
 def reason_text(reason: str) -> str:
@@ -51,14 +75,20 @@ def classify_recompile(reason: str) -> str:
     """Map Dynamo's first failed guard to one of `RECOMPILE_REASONS`."""
     text = reason_text(reason)
     if text.startswith("tensor "):
-        for pattern, label in _TENSOR_CHECKS:
-            if pattern.search(text):
-                return label
-    if _GRAD_MODE.search(text):
-        return "grad_mode"
-    # A source comment follows the guard expression ("n == 1   # x*n  # f.py:3").
-    expression = text.split("#", 1)[0].strip()
-    if _ATTRIBUTE.search(expression):
+        return _tensor_check(text)
+    if text.startswith(_GLOBAL_STATE):
+        return "grad_mode" if "grad_mode" in text[len(_GLOBAL_STATE):].split() else "other"
+    if text.startswith(_NOT_GUARDS):
+        return "other"
+    not_a_tensor = _NOT_A_TENSOR.match(text)
+    if not_a_tensor is not None:
+        return "global_or_module_attribute" if _is_attribute_guard(not_a_tensor[1]) else "python_value"
+    # Torch appends the user's source line as "  # " comment ("n == 1   # x*n  # f.py:3").
+    expression = text.split("  # ", 1)[0].strip()
+    for pattern, label in _SYMBOLIC_CHECKS:
+        if pattern.search(expression):
+            return label
+    if _is_attribute_guard(expression):
         return "global_or_module_attribute"
     if _VALUE.search(expression):
         return "python_value"
@@ -68,8 +98,28 @@ def classify_recompile(reason: str) -> str:
     return "other"
 
 
+def _tensor_check(text: str) -> str:
+    keys = _DISPATCH_KEYS.search(text)
+    if keys is not None:
+        expected, actual = (_LAYOUT_PREFIX.sub("", key) for key in keys.groups())
+        return "device" if expected != actual else "other"
+    for pattern, label in _TENSOR_CHECKS:
+        if pattern.search(text):
+            return label
+    return "other"
+
+
+def _is_attribute_guard(expression: str) -> bool:
+    """Whether a guarded source (not the constant it is compared with) is a global or an attribute."""
+    operands = (operand.strip() for operand in _OPERATORS.split(_LITERALS.sub("", expression)))
+    return any(_ATTRIBUTE.search(operand) for operand in operands if operand and not _CONSTANT.match(operand))
+
+
 def is_recompile_limit(fail_type: str | None, fail_reason: str | None, markers: tuple[str, ...],
-                       fail_types: tuple[str, ...]) -> bool:
+                       fail_types: tuple[str, ...], errors: tuple[str, ...]) -> bool:
+    """Whether a failed frame hit the recompile limit: one of the limit's own `errors`, or a marker in its message."""
+    if fail_type in errors:
+        return True
     if not fail_type or not fail_reason or fail_type not in fail_types:
         return False
     head = fail_reason.split("\n", 1)[0].lower()
@@ -97,7 +147,10 @@ class GraphBreak(NamedTuple):
 _GRAPH_BREAK: Final = re.compile(
     r"in user code at (?P<file>.+?):(?P<line>\d+)\s*\nGraph Break Reason: (?P<reason>.*)", re.DOTALL
 )
-_GENERIC_PREFIX: Final = "Encountered graph break when attempting to trace"
+# Dynamo wraps the graph-break text in a context line ("Encountered graph break when attempting to trace
+# CALL: ...:", "Failed to handle graph break gracefully. Skipping the function and falling back to eager.
+# Graph break encountered:", "Encountered graph break that we cannot resume from. ...") and a blank line.
+_WRAPPER: Final = re.compile(r"^(Encountered|Failed to handle) .*graph break.*:$")
 
 
 def parse_graph_break(message: str) -> GraphBreak | None:
@@ -108,9 +161,8 @@ def parse_graph_break(message: str) -> GraphBreak | None:
     reason = match["reason"].split("\n\nUser code traceback:", 1)[0].strip()
     lines = [line.strip() for line in reason.split("\n") if line.strip()]
     kind = lines[0] if lines else "unknown"
-    # "Encountered graph break when attempting to trace CALL: ...:" wraps the
-    # real graph-break type, which is the next line (the key of counters["graph_break"]).
-    if kind.startswith(_GENERIC_PREFIX) and len(lines) > 1:
+    # The real graph-break type (the key of counters["graph_break"]) is the line after a wrapper.
+    if _WRAPPER.match(kind) and len(lines) > 1:
         kind = lines[1]
     return GraphBreak(kind, match["file"], int(match["line"]), reason)
 

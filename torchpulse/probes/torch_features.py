@@ -51,8 +51,13 @@ DYNAMO: Final = "torch._dynamo"
 CUDAGRAPH_TREES: Final = "torch._inductor.cudagraph_trees"
 
 # -- message markers -----------------------------------------------------------
+# A limit hit fails the frame with Unsupported ("Dynamo recompile limit exceeded"; older torch: "cache_size_limit
+# reached") and the function runs eagerly from then on. Under `fullgraph=True` or `fail_on_recompile_limit_hit`
+# it raises one of RECOMPILE_LIMIT_ERRORS into the job instead, whose 2.13 message ("Hard failure due to
+# fullgraph=True") names no limit; FailOnCacheLimitHit is the older name of that error.
 RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
-RECOMPILE_LIMIT_FAIL_TYPES: Final = ("Unsupported", "FailOnRecompileLimitHit")
+RECOMPILE_LIMIT_FAIL_TYPES: Final = ("Unsupported",)
+RECOMPILE_LIMIT_ERRORS: Final = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
 CUDAGRAPH_SKIP_PREFIX: Final = "skipping cudagraph"
 # Every skip is logged (WARNING, CUDAGRAPHS_LOGGER) by this function, which then bumps the counter; not
 # every message starts with the prefix ("input storage mutation ...", "disabling cudagraphs due to
@@ -235,6 +240,13 @@ def compilation_metrics_of(args: object) -> Any | None:
     if isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], CompilationMetrics):
         return args[0]
     return None
+
+
+def compilation_metrics_history() -> list[Any]:
+    """The last CompilationMetrics Dynamo keeps (a bounded deque): what was compiled before a probe attached."""
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled, and attach stays light
+    history = getattr(utils, "get_compilation_metrics", None)
+    return list(history()) if callable(history) else []
 
 
 def callback_handler() -> Any:
