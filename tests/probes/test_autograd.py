@@ -10,7 +10,7 @@ import torch
 import torch.autograd.graph
 from torch.utils.checkpoint import checkpoint
 
-from tests.probes.autograd_support import autograd_agent, node_values, passes, tiny_transformer
+from tests.probes.autograd_support import autograd_agent, events, node_values, passes, tiny_transformer
 from torchpulse.probes.autograd_config import AutogradConfig
 from torchpulse.probes.store import OTHER
 
@@ -68,6 +68,35 @@ def test_compiled_autograd_pass_has_its_own_kind() -> None:
         assert 0 == passes(agent, "backward")
         assert agent.store.value("autograd_sampled_passes_total", ()) is None
         assert 2 == agent.probes["autograd"]._check.known  # still checked for non-finite grads
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("error")  # Dynamo warns when it meets the probe's own code
+@pytest.mark.parametrize(("compiled_autograd", "kind"), [(False, "backward"), (True, "compiled_autograd")])
+def test_backward_inside_a_compiled_step_is_counted(compiled_autograd: bool, kind: str) -> None:
+    """`loss.backward()` inside a torch.compile'd step: Dynamo must not trace the wrapper (where
+    is_compiling() would read True and hide the pass) nor the node hooks of a timed and logged
+    pass; with compiled autograd on, the passes have their own kind."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    options = {"sample_every": "1", "log_passes": "1"}
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd), autograd_agent(**options) as agent:
+        model = torch.nn.Linear(4, 1)
+
+        @torch.compile(backend="eager")
+        def step(x: torch.Tensor) -> None:
+            model(x).sum().backward()
+
+        for _ in range(2):
+            step(torch.randn(3, 4))
+        assert 2 == passes(agent, kind)
+        assert 2 == agent.probes["autograd"]._check.known
+        timed = 0 if compiled_autograd else 2  # compiled autograd passes get no node hooks
+        assert timed == (agent.store.value("autograd_sampled_passes_total", ()) or 0)
+        assert (timed > 0) == bool(events(agent, "autograd.node"))
+        if not compiled_autograd:  # which traces torch's own generators (sympy) itself
+            assert {} == dict(counters["unimplemented"])  # no frame of ours reached Dynamo
     torch._dynamo.reset()
 
 

@@ -122,6 +122,16 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     optimizer.zero_grad(set_to_none=True)
 
 
+def test_timing_without_the_nonfinite_check_keeps_no_reference_per_pass() -> None:
+    """With nonfinite off nothing prunes the check's list: timed passes must not fill it with
+    a dead reference to each step's input leaf."""
+    with autograd_agent(sample_every="1", nonfinite="0") as agent:
+        weight = torch.nn.Parameter(torch.ones(4))
+        for _ in range(20):
+            (weight * torch.randn(4, requires_grad=True)).sum().backward()
+        assert 0 == agent.probes["autograd"].status()["parameters_checked"]
+
+
 def test_memory_stays_flat_over_a_thousand_steps() -> None:
     """Sampling every other pass for 1,000 steps leaves no objects behind."""
     with autograd_agent(sample_every="2") as agent:

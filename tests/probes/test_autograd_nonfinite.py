@@ -36,11 +36,27 @@ def test_nan_in_one_gradient_is_counted_once_and_named() -> None:
     with autograd_agent(grad_norm="1") as agent:
         _train(agent, inject=True)
         assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
-        assert 1 == agent.store.value("grad_nonfinite_parameters", ())
+        assert 0 == agent.store.value("grad_nonfinite_parameters", ())  # the last passes were clean
         [event] = events(agent, "autograd.nonfinite_gradients")
         assert (NAN_STEP, 1, "layers.1.linear1.weight") == (
             event["pass_index"], event["parameters"], event["names"])
         assert math.isfinite(agent.store.value("grad_norm", ()))  # the last pass was clean
+
+
+def test_the_parameter_gauge_returns_to_zero_after_a_clean_pass() -> None:
+    """One AMP-style blip (step skipped, gradients zeroed): the counter keeps it, the gauge that
+    the alert reads as "still non-finite" goes back to 0 at the next clean pass."""
+    with autograd_agent() as agent:
+        model = torch.nn.Linear(4, 2)
+        values = []
+        for step in range(3):
+            scale = math.inf if step == 1 else 1.0
+            (model(torch.ones(1, 4)) * scale).sum().backward()
+            model.zero_grad(set_to_none=True)
+            agent.drain()
+            values.append((agent.store.value("grad_nonfinite_passes_total", ()),
+                           agent.store.value("grad_nonfinite_parameters", ())))
+        assert [(None, 0), (1, 2), (1, 0)] == values
 
 
 def test_the_same_run_without_injection_counts_zero() -> None:
@@ -118,6 +134,22 @@ def test_resolver_finds_names_from_the_live_modules() -> None:
     assert "<unnamed (3,)>" == resolver.name(torch.nn.Parameter(torch.ones(3)))
 
 
+def test_resolver_names_a_model_built_since_its_last_scan_at_once(monkeypatch: Any) -> None:
+    """A rebuilt model is named without waiting out the rescan interval; a parameter that no
+    module holds costs one scan, not one per report."""
+    resolver = NameResolver()
+    first = torch.nn.Linear(2, 2)
+    assert ["weight"] == resolver.names([first.weight])
+    scans = []
+    rescan = resolver.rescan
+    monkeypatch.setattr(resolver, "rescan", lambda objects: (scans.append(1), rescan(objects)))
+    rebuilt = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    stray = torch.nn.Parameter(torch.ones(4))
+    assert ["0.bias", "<unnamed (4,)>"] == resolver.names([rebuilt[0].bias, stray])
+    assert ["<unnamed (4,)>", "0.weight"] == resolver.names([stray, rebuilt[0].weight])
+    assert 1 == len(scans)
+
+
 def test_half_precision_gradients_are_reduced_in_float32_and_mixed_dtypes_grouped() -> None:
     """Finite fp16/bf16 grads whose norm exceeds fp16's range are not non-finite; a NaN among
     float32, float64 and bfloat16 parameters is found in its own dtype group."""
@@ -139,6 +171,51 @@ def test_half_precision_gradients_are_reduced_in_float32_and_mixed_dtypes_groupe
         agent.drain()
         assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
         assert 1 == agent.store.value("grad_nonfinite_parameters", ())
+
+
+def test_finite_gradients_whose_float32_norm_overflows_are_not_called_nonfinite() -> None:
+    """Elements near 1e20 square past float32's range; the gradients are finite (GradScaler
+    would step), so nothing is counted and the norm gauge keeps its finite value."""
+    single = torch.nn.Parameter(torch.zeros(4))
+    brain = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    with autograd_agent(grad_norm="1") as agent:
+        ((single * 1e20).sum() + (brain.float() * 1e20).sum()).backward()
+        agent.drain()
+        assert agent.store.value("grad_nonfinite_passes_total", ()) is None
+        expected = torch.linalg.vector_norm(torch.cat([single.grad.double(), brain.grad.double()]))
+        assert agent.store.value("grad_norm", ()) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_sparse_gradients_are_checked_by_their_values() -> None:
+    """nn.Embedding(sparse=True): the stored values of the sparse gradient are reduced (as
+    GradScaler reads them), so an Inf there is found and named."""
+    with autograd_agent(grad_norm="1") as agent:
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        agent.drain()
+        assert agent.store.value("grad_norm", ()) == pytest.approx(math.sqrt(6))
+        embedding.weight.register_hook(lambda g: g * math.inf)
+        embedding.zero_grad(set_to_none=True)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        agent.drain()
+        assert (1, 1) == (agent.store.value("grad_nonfinite_passes_total", ()),
+                          agent.store.value("grad_nonfinite_parameters", ()))
+        assert ["weight"] == [e["names"] for e in events(agent, "autograd.nonfinite_gradients")]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e5m2, torch.float8_e4m3fn])
+def test_complex_and_float8_gradients_are_checked(dtype: torch.dtype) -> None:
+    """Complex gradients are reduced too, and float8 ones (no norm kernel) after widening: a clean
+    pass counts nothing, a NaN is found, and neither switches the probe off."""
+    with autograd_agent() as agent:
+        param = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+        for scale in (2.0, math.nan):
+            wide = param.to(torch.complex64 if dtype.is_complex else torch.float32) * scale
+            (torch.view_as_real(wide) if dtype.is_complex else wide).sum().backward()
+            param.grad = None
+        agent.drain()
+        assert agent.probes["autograd"].enabled
+        assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
 
 
 def test_a_second_model_and_a_reentrant_checkpoint_are_checked_from_their_optimizers_first_step() -> None:
@@ -165,6 +242,20 @@ def test_a_second_model_and_a_reentrant_checkpoint_are_checked_from_their_optimi
         assert 8 == agent.store.value("grad_nonfinite_passes_total", ())
         # The generator's inf, then (its grad not yet zeroed) both it and the checkpointed NaN.
         assert [1, 2] * 4 == [e["parameters"] for e in events(agent, "autograd.nonfinite_gradients")]
+
+
+def test_a_rebuilt_model_is_checked_from_its_first_pass() -> None:
+    """A model rebuilt mid-run (reloaded after a divergence) is searched for at its first pass,
+    not at the next sampled one: its optimizer may skip every step while gradients are NaN."""
+    with autograd_agent() as agent:
+        model = torch.nn.Linear(4, 2)
+        model(torch.ones(1, 4)).sum().backward()  # pass 0 finds the first model's parameters
+        model = torch.nn.Linear(4, 2)
+        model.weight.register_hook(lambda g: g * math.nan)
+        model(torch.ones(1, 4)).sum().backward()
+        agent.drain()
+        assert (1, 1) == (agent.store.value("grad_nonfinite_passes_total", ()),
+                          agent.store.value("grad_nonfinite_parameters", ()))
 
 
 def test_a_gradient_edge_output_does_not_switch_the_probe_off() -> None:

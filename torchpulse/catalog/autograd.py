@@ -24,7 +24,7 @@ FAMILIES: Final[tuple[Family, ...]] = (
     Family("grad_nonfinite_passes_total", "counter",
            "Passes after which a parameter gradient held NaN or Inf."),
     Family("grad_nonfinite_parameters", "gauge",
-           "Parameters with non-finite gradients after the most recent pass that had any."),
+           "Parameters with non-finite gradients after the most recent checked pass (0 once clean)."),
     Family("grad_norm", "gauge",
            "Global L2 norm of parameter gradients after the last pass (local shard; scaled "
            "under GradScaler); exported when enabled."),

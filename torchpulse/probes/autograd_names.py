@@ -3,7 +3,8 @@
 Names are needed only when something is reported (a non-finite gradient), so
 nothing is hooked on the hot path: on a miss the resolver finds the root
 modules with one `gc.get_objects()` scan (tens of ms in a large process, once
-per new set of parameters) and walks their module trees.
+per new set of parameters, e.g. a model rebuilt after a divergence) and walks
+their module trees.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -62,19 +63,41 @@ def root_modules(objects: Iterable[object]) -> list[nn.Module]:
 
 
 class NameResolver:
-    """Caches names weakly; rescans the process at most once per `min_rescan_interval`."""
+    """Caches names weakly; rescans the process when a parameter it has never looked for is
+    missing (a model built since the last scan), else at most once per `min_rescan_interval`."""
 
     def __init__(self, min_rescan_interval: float = 30.0) -> None:
         self._names: dict[int, tuple[weakref.ReferenceType[torch.Tensor], str]] = {}
+        # Parameters missing after a scan: no module holds them, so they alone trigger no rescan.
+        self._missed: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
         self._min_interval = min_rescan_interval
         self._last_scan = -float("inf")
 
     def name(self, param: torch.Tensor) -> str:
-        name = self._lookup(param)
-        if name is None and time.monotonic() - self._last_scan >= self._min_interval:
+        return self.names([param])[0]
+
+    def names(self, params: Sequence[torch.Tensor]) -> list[str]:
+        """Names of `params`, scanning the process at most once for all of them."""
+        found = [self._lookup(param) for param in params]
+        missing = [param for param, name in zip(params, found, strict=True) if name is None]
+        if missing and self._rescan_due(missing):
             self.rescan(gc.get_objects())
-            name = self._lookup(param)
-        return name if name is not None else f"<unnamed {tuple(param.shape)}>"
+            found = [self._lookup(param) for param in params]
+        for param, name in zip(params, found, strict=True):
+            if name is None:
+                self._missed[id(param)] = weakref.ref(param)
+        return [name if name is not None else f"<unnamed {tuple(param.shape)}>"
+                for param, name in zip(params, found, strict=True)]
+
+    def _rescan_due(self, missing: list[torch.Tensor]) -> bool:
+        if time.monotonic() - self._last_scan >= self._min_interval:
+            return True
+        # Plain tensors (inputs that require grad) never have a name: no early scan for them.
+        return any(isinstance(param, nn.Parameter) and not self._was_missed(param) for param in missing)
+
+    def _was_missed(self, param: torch.Tensor) -> bool:
+        ref = self._missed.get(id(param))
+        return ref is not None and ref() is param
 
     def _lookup(self, param: torch.Tensor) -> str | None:
         entry = self._names.get(id(param))
@@ -90,3 +113,4 @@ class NameResolver:
                 if key not in names:
                     names[key] = (weakref.ref(param), name)
         self._names = names
+        self._missed = {key: ref for key, ref in self._missed.items() if ref() is not None}

@@ -119,6 +119,16 @@ class PassTimer:
             self.remove()
             raise
 
+    @classmethod
+    def keep_dynamo_out(cls) -> None:
+        """Have Dynamo skip every timer's hook frames (under a compiled step the engine runs them
+        with Dynamo on); skipping goes by code object, so one sample of each hook does it."""
+        from torchpulse.probes import torch_features as tf
+
+        sample = cls((), detailed=False, on_parameter=lambda _param: None)
+        tf.skip_tracing(sample._make_prehook(0))
+        tf.skip_tracing(sample._make_posthook(0))
+
     @property
     def node_count(self) -> int:
         return len(self._nodes)
@@ -130,8 +140,11 @@ class PassTimer:
         def prehook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
             try:
                 if detailed:
-                    shapes[index] = tuple(None if g is None else (g.dtype, tuple(g.shape))
-                                          for g in grad_outputs)
+                    # A loop, not a generator: its frame would be one more for Dynamo to meet.
+                    described: list[GradShape] = []
+                    for g in grad_outputs:
+                        described.append(None if g is None else (g.dtype, tuple(g.shape)))
+                    shapes[index] = tuple(described)
                 starts[index] = clock()
             except Exception as exc:  # a hook that raises would fail the user's backward
                 self.error = exc

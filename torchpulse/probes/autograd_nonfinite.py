@@ -6,6 +6,12 @@ dtype for all parameters; NaN/Inf in any element makes the norm non-finite). On 
 the result is copied to pinned host memory with `non_blocking=True` and an
 event is recorded; `poll()` reads only checks whose event has completed, so the
 training thread never waits for the device.
+
+The converse needs care: squares of float32 values overflow above ~1.8e19, so a
+finite gradient can have an infinite float32 norm. On CUDA the norms accumulate
+in float64 (the reduction is bound by memory bandwidth, so this costs nothing
+measurable); elsewhere results are on the host at once, and only an infinite
+norm is computed again in float64 (on CPU a float64 reduction costs 1.6-3.7x).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class _Pending:
     pass_index: int
     kind: str
     refs: list[ParamRef]
-    norms: torch.Tensor  # host tensor (pinned on CUDA) once copied
+    norms: torch.Tensor | list[float]  # pinned host tensor on CUDA, else the values
     event: Any  # torch.cuda.Event or None when already on the host
 
     def ready(self) -> bool:
@@ -54,6 +60,9 @@ class GradCheck:
         self._pending: deque[_Pending] = deque()
         self._max_pending = max_pending
         self.dropped = 0
+        # Set when a tracked nn.Parameter dies: its model was dropped, most likely for a
+        # rebuilt one whose parameters the next pass should look for (the caller resets it).
+        self.lost = False
 
     @property
     def known(self) -> int:
@@ -64,7 +73,13 @@ class GradCheck:
         key = id(param)
         if key not in self._known:
             self._known.add(key)
-            self._refs.append(weakref.ref(param))
+            # Only parameters: inputs that require grad die every step and would make
+            # every pass a graph search.
+            lost = self._on_lost if isinstance(param, torch.nn.Parameter) else None
+            self._refs.append(weakref.ref(param, lost))
+
+    def _on_lost(self, _ref: ParamRef) -> None:
+        self.lost = True
 
     def launch(self, pass_index: int, kind: str) -> None:
         """Queue the fused norm reduction for every known parameter that has a gradient."""
@@ -78,7 +93,13 @@ class GradCheck:
             alive.append(ref)
             alive_ids.add(id(param))
             grad = param.grad
-            if grad is None or grad.is_sparse or not grad.is_floating_point():
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                # nn.Embedding(sparse=True): the stored values, as GradScaler reads them
+                # (coalescing would sync the device; duplicates count apart in the norm).
+                grad = grad._values()
+            if not (grad.is_floating_point() or grad.is_complex()):
                 continue
             # DTensor (FSDP2/TP): reduce the local shard; a collective here
             # could deadlock ranks that disagree about when to check.
@@ -116,23 +137,38 @@ class GradCheck:
         self._refs = []
         self._known = set()
         self._pending.clear()
+        self.lost = False
 
 
 # Half-precision norms overflow (fp16 tops out at 65504), so those reduce in
-# float32; float64 cannot (torch refuses a narrowing `dtype=`: with one launch
-# for all dtypes, a job with a float64 parameter disabled the probe).
-_FULL_PRECISION = (torch.float32, torch.float64)
+# float32 (a narrowing `dtype=` is refused: float64 and complex reduce as they are).
+_FULL_PRECISION = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _norms(device: torch.device, dtype: torch.dtype, grads: list[torch.Tensor]) -> torch.Tensor:
+    if dtype.itemsize == 1 or dtype == torch.complex32:
+        # float8 and complex32 have no norm kernel and refuse `dtype=`: widen them first
+        # (a copy, only for these).
+        dtype = torch.complex64 if dtype.is_complex else torch.float32
+        grads = [grad.to(dtype) for grad in grads]
+    if device.type == "cuda":
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=wide))
+    out = None if dtype in _FULL_PRECISION else torch.float32
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=out))
 
 
 def _launch_group(pass_index: int, kind: str, device: torch.device, dtype: torch.dtype,
                   refs: list[ParamRef], grads: list[torch.Tensor]) -> _Pending:
-    if dtype in _FULL_PRECISION:
-        norms = torch.stack(torch._foreach_norm(grads, 2))
-    else:
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+    norms = _norms(device, dtype, grads)
     if device.type != "cuda":
         # CPU ops ran synchronously; other devices read back as on CPU.
-        return _Pending(pass_index, kind, refs, norms.cpu(), None)
+        values: list[float] = norms.cpu().tolist()
+        if math.inf in values:
+            # Maybe finite elements whose squares overflowed: the gradients are still at hand.
+            values = [_wide_norm(grad) if value == math.inf else value
+                      for grad, value in zip(grads, values, strict=True)]
+        return _Pending(pass_index, kind, refs, values, None)
     host = torch.empty(norms.shape, dtype=norms.dtype, pin_memory=True)
     host.copy_(norms, non_blocking=True)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -142,8 +178,14 @@ def _launch_group(pass_index: int, kind: str, device: torch.device, dtype: torch
     return _Pending(pass_index, kind, refs, host, event)
 
 
+def _wide_norm(grad: torch.Tensor) -> float:
+    wide = torch.complex128 if grad.is_complex() else torch.float64
+    return float(torch.linalg.vector_norm(grad.detach().to("cpu", wide)))
+
+
 def _read(pending: _Pending) -> CheckResult:
-    values: list[float] = pending.norms.tolist()
+    norms = pending.norms
+    values: list[float] = norms if isinstance(norms, list) else norms.tolist()
     nonfinite = tuple(ref for ref, value in zip(pending.refs, values, strict=True)
                       if not math.isfinite(value))
     # Squares are >= 0, so fsum sees no inf - inf: NaN stays NaN, Inf stays Inf.

@@ -242,6 +242,14 @@ def compilation_metrics_of(args: object) -> Any | None:
     return None
 
 
+def dynamo_frame_callback_getter() -> Callable[[], object]:
+    """Dynamo's frame callback on this thread (None outside compiled code); where torch has no
+    such accessor, a stand-in that always answers "maybe inside" (the caller then stays safe)."""
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    getter = getattr(eval_frame, "get_eval_frame_callback", None)
+    return getter if callable(getter) else object
+
+
 def compilation_metrics_history() -> list[Any]:
     """The last CompilationMetrics Dynamo keeps (a bounded deque): what was compiled before a probe attached."""
     utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled, and attach stays light
