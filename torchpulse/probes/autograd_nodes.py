@@ -22,6 +22,16 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 GradShape = tuple[torch.dtype, tuple[int, ...]] | None
 
 
+# AccumulateGrad nodes have no sequence number: torch gives them UINT64_MAX, which JSON readers
+# (doubles) cannot hold exactly. They are reported as -1.
+NO_SEQUENCE_NR = -1
+
+
+def sequence_nr(node: Any) -> int:
+    value = int(node._sequence_nr())
+    return NO_SEQUENCE_NR if value >= 1 << 63 else value
+
+
 @dataclass(frozen=True)
 class NodeTime:
     """One timed execution (detailed mode) or a node's slowest summary."""
@@ -184,11 +194,11 @@ class PassTimer:
             entry = totals.setdefault(name, [0, 0.0])
             entry[0] += self._calls[index]
             entry[1] += self._seconds[index]
-            timed.append(NodeTime(name, node._sequence_nr(), self._seconds[index]))
+            timed.append(NodeTime(name, sequence_nr(node), self._seconds[index]))
         if self.detailed:
             for index, elapsed in self._order:
                 node = self._nodes[index]
-                executions.append(NodeTime(node_type(node), node._sequence_nr(), elapsed,
+                executions.append(NodeTime(node_type(node), sequence_nr(node), elapsed,
                                            self._shapes[index]))
         timed.sort(key=lambda t: t.seconds, reverse=True)
         self._nodes = []
