@@ -195,9 +195,11 @@ class Control:
             data["autograd_passes"] = state.get("passes")
             last = state.get("last_sampled_pass")
             if isinstance(last, dict):
-                # The slowest node types of the last timed pass, e.g. "AddmmBackward0 1.20ms".
+                # The slowest nodes of the last timed pass, e.g. "AddmmBackward0#42 1.20ms": the sequence
+                # number tells two nodes of one type apart (AccumulateGrad has none: -1, left out).
                 data["autograd_slowest"] = ", ".join(
-                    f"{name} {seconds * 1e3:.2f}ms" for name, _seq, seconds in last.get("slowest", [])[:5])
+                    f"{name}{'' if seq < 0 else f'#{seq}'} {seconds * 1e3:.2f}ms"
+                    for name, seq, seconds in last.get("slowest", [])[:5])
         return data
 
     # -- training thread ------------------------------------------------------
