@@ -61,7 +61,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     torch_version: str
     agent_version: str
     command: str
-    started_at: float
+    started_at: float  # when the agent's process loaded torchpulse: the same in every hello of it
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from msgspec.structs import replace
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from tests.support import parse_exposition, select
@@ -80,3 +81,16 @@ def test_ctl_text_escapes_control_characters_in_the_run_name() -> None:
 
     text = format_ctl(CtlReply(run="evil\x1b[2J", command="trace", results=[]))
     assert "run evil\\x1b[2J: no such run" in text and "\x1b" not in text
+
+
+def test_a_new_process_with_the_same_pid_and_host_starts_from_empty_series() -> None:
+    """A container restarted in its pod often runs the job as the same pid on the same host: only a
+    hello with the same started_at is the same process reconnecting (its series kept); another one
+    starts empty, so a stale gauge of the dead process cannot keep an alert firing."""
+    registry = Registry()
+    run, rank = registry.connect(HELLO, None)
+    registry.apply(run, rank, Batch(1, 0.0, [Sample("grad_nonfinite_parameters", (), 3.0)], [], []))
+    _, same = registry.connect(HELLO, None)
+    kept = dict(same.values)
+    _, restarted = registry.connect(replace(HELLO, started_at=HELLO.started_at + 60.0), None)
+    assert ({("grad_nonfinite_parameters", ()): 3.0}, {}, 0) == (kept, dict(restarted.values), run.series)

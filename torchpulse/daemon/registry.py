@@ -131,8 +131,10 @@ class Registry:
             # The older connection is dead or about to be: its frames must not
             # overwrite newer totals, nor its close mark the rank disconnected.
             previous.close()
-        if previous is not None and previous.hello.pid == hello.pid and previous.hello.host == hello.host:
-            # The same process reconnecting: keep what it told us so far.
+        if previous is not None and (previous.hello.pid, previous.hello.host, previous.hello.started_at) == (
+                hello.pid, hello.host, hello.started_at):
+            # The same process reconnecting: keep what it told us so far. A pid reused on the same host
+            # (a restarted container) is a new process: its started_at differs.
             previous.hello, previous.peer, previous.connected = hello, peer, True
             previous.connected_at = previous.last_seen = time.monotonic()
             state = previous

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 log = get_logger("torchpulse.agent")
 # Items per frame: keeps every frame far below MAX_FRAME_BYTES.
 MAX_ITEMS_PER_FRAME = 2000
+# Sent in every hello of this process: with pid and host it tells the daemon a reconnecting
+# process (keep its series) from a new one that got the same pid on the same host (a container
+# restarted in its pod, where the job is often pid 1): that one starts from empty series.
+PROCESS_STARTED_AT = time.time()
 # An idle agent still sends an empty batch this often, so the daemon sees it alive.
 HEARTBEAT_INTERVAL = 5.0
 # Socket reads (64 KiB each) handled per call before the thread gets back to its own cycle.
@@ -253,7 +257,7 @@ class Sender(threading.Thread):
             torch_version=torch_version,
             agent_version=torchpulse.__version__,
             command=utf8(ident.command),
-            started_at=time.time(),
+            started_at=PROCESS_STARTED_AT,
         )
 
     def _close(self) -> None:
