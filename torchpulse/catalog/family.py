@@ -6,10 +6,13 @@ probe area.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final, Literal
 
 PREFIX: Final = "torchpulse_"
+# Prometheus label names; `__` is reserved and `le` is the histogram's own label.
+_LABEL_NAME: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 Kind = Literal["counter", "gauge", "histogram"]
 
 # Optimizer steps span ~100 µs (tiny CPU models) to minutes (huge CPU offload).
@@ -35,6 +38,12 @@ class Family:
     def __post_init__(self) -> None:
         if self.kind == "counter" and not self.name.endswith("_total"):
             raise ValueError(f"counter {self.name} must end in _total")
+        if self.kind != "counter" and self.name.endswith("_total"):
+            # Queries treat `_total` as "a counter: use rate()"; a gauge named so would be misread.
+            raise ValueError(f"{self.kind} {self.name} must not end in _total")
+        bad = [n for n in self.labels if not _LABEL_NAME.fullmatch(n) or n.startswith("__") or n == "le"]
+        if bad or len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"{self.name}: invalid or repeated label names {list(self.labels)}")
         if self.kind == "histogram" and (not self.buckets or list(self.buckets) != sorted(set(self.buckets))):
             raise ValueError(f"histogram {self.name} needs strictly increasing buckets")
         if self.kind != "histogram" and self.buckets:
