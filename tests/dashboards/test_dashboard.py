@@ -166,3 +166,14 @@ def test_contract_agrees_with_the_agent_catalog(contract: dict[str, Family]) -> 
         if family.exposed_name in contract and family.kind != contract[family.exposed_name].kind
     }
     assert mismatched == {}
+
+
+def test_every_agent_family_is_in_the_contract_with_its_type_and_labels(contract: dict[str, Family]) -> None:
+    """metrics.txt lists each family agents send (the catalog), with `run` and `rank` added by the daemon:
+    a family missing there cannot be used by a dashboard, and a label drift would go unnoticed."""
+    from torchpulse.catalog import CATALOG
+
+    expected = {f"torchpulse_{name}": (family.kind, frozenset(("run", "rank", *family.labels)))
+                for name, family in CATALOG.items()}
+    listed = {name: (contract[name].kind, contract[name].labels) for name in expected if name in contract}
+    assert expected == listed
