@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,3 +92,33 @@ def test_probe_patches_dcp_imported_after_it_without_importing_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "False True False" == out.stdout.strip(), out.stderr[-2000:]
+
+
+SUBGROUP_RANK = """
+import sys, torch, torch.distributed as dist
+from tests.support import local_agent
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+agent = local_agent(("checkpoint",))
+import torch.distributed.checkpoint as dcp
+group = dist.new_group([1])
+if rank == 1:
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=out, process_group=group)
+    agent.drain()
+    print([e.fields["validate"] for e in agent.take_events(100) if e.event == "checkpoint saved"])
+agent.shutdown()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0_of_the_saving_subgroup_asks_for_validation(tmp_path: Path) -> None:
+    """A save on a subgroup without global rank 0 is announced for validation by the subgroup's rank 0."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SUBGROUP_RANK, str(r), str(tmp_path / "store"), str(tmp_path / "ck")],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})  # as torchrun sets them
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert ["", "[True]"] == [out.strip() for out, _ in outputs], [err[-2000:] for _, err in outputs]

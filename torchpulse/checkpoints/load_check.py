@@ -7,12 +7,15 @@ plain-`pickle` `read_metadata` never sees the file.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from torchpulse.checkpoints.model import Checkpoint, Finding, Format
+from torchpulse.checkpoints.reader import open_regular_fd
 from torchpulse.checkpoints.rules import error
 from torchpulse.checkpoints.rules.optimizer import parse_layout
 
@@ -53,7 +56,21 @@ def to_torch_metadata(ckpt: Checkpoint) -> Any:
     )
 
 
-def load_findings(ckpt: Checkpoint) -> list[Finding]:
+def drop_from_page_cache(ckpt: Checkpoint) -> None:
+    """Evict the data files torch just read, as the data level does: validation must not push out the job's pages."""
+    for name in sorted({s.relative_path for s in ckpt.storage}):
+        # O_NOFOLLOW and a regular-file check: a name swapped for a symlink or FIFO is skipped.
+        with contextlib.suppress(OSError):
+            opened = open_regular_fd(Path(ckpt.path) / name)
+            if opened is None:
+                continue
+            try:
+                os.posix_fadvise(opened[0], 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(opened[0])
+
+
+def load_findings(ckpt: Checkpoint, drop_cache: bool = False) -> list[Finding]:
     """TP-CKPT-026: each optimizer's state loads through the resharding path."""
     layout = parse_layout(ckpt)
     if not layout.state or ckpt.format is not Format.TORCH_SAVE:
@@ -75,9 +92,10 @@ def load_findings(ckpt: Checkpoint) -> list[Finding]:
     }
     out: list[Finding] = []
     owns_group = not dist.is_initialized()
-    if owns_group:
-        store_dir = tempfile.mkdtemp(prefix="torchpulse-load-")
-        store = dist.FileStore(str(Path(store_dir) / "store"), 1)  # type: ignore[attr-defined]
+    # A FileStore in a private directory: no TCP port that could collide with the job's rendezvous.
+    store_dir = tempfile.TemporaryDirectory(prefix="torchpulse-load-") if owns_group else None
+    if store_dir is not None:
+        store = dist.FileStore(str(Path(store_dir.name) / "store"), 1)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         for opt in sorted(layout.optimizers):
@@ -92,6 +110,9 @@ def load_findings(ckpt: Checkpoint) -> list[Finding]:
             except Exception as exc:  # torch's failure is the finding
                 out.append(error("TP-CKPT-026", opt, f"{type(exc).__name__}: {exc}"[:500]))
     finally:
-        if owns_group:
+        if store_dir is not None:
             dist.destroy_process_group()
+            store_dir.cleanup()
+        if drop_cache:
+            drop_from_page_cache(ckpt)
     return out

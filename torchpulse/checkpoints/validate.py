@@ -168,7 +168,7 @@ def validate(
         if level is Level.LOAD and status_of(findings) is Status.VALID:
             from torchpulse.checkpoints.load_check import load_findings
 
-            findings += load_findings(ckpt)
+            findings += load_findings(ckpt, drop_cache=options.drop_cache)
     stats["duration_seconds"] = round(time.monotonic() - started, 6)
     # The verdict is taken over every finding, before any is left unlisted.
     status = status_of(findings)

@@ -8,6 +8,10 @@ untouched: same arguments, same return value, its exceptions propagate.
 import it: when the job has not imported it yet, a meta-path hook patches
 `state_dict_saver` right after it executes, before the package's
 `from .state_dict_saver import save, async_save` re-exports the names.
+
+Limit: a reference the job took before the probe attached
+(`from torch.distributed.checkpoint import save` in a module imported before
+a remote attach) still points at torch's function, so those saves are not seen.
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
     text = os.fspath(target) if isinstance(target, str | os.PathLike) else str(target)
     # A URL (s3://, fsspec) stays as it is; the daemon ignores what is not a local path.
     return text if "://" in text else os.path.normpath(Path(text).absolute())
+
+
+def is_coordinator(kwargs: dict[str, Any], global_rank: int) -> bool:
+    """True where torch writes the checkpoint's `.metadata`: rank 0 of the save's process group.
+
+    A save on a subgroup that leaves out global rank 0 is otherwise validated by no one.
+    """
+    import torch.distributed as dist
+
+    if kwargs.get("no_dist") or not (dist.is_available() and dist.is_initialized()):
+        return global_rank == 0
+    return bool(dist.get_rank(kwargs.get("process_group")) == 0)
 
 
 class _Patch:
@@ -99,8 +115,9 @@ class CheckpointProbe(Probe):
 
     def _announce(self, api: str, kwargs: dict[str, Any], started: float, result: Any) -> None:
         path = checkpoint_path(kwargs)
+        validate = is_coordinator(kwargs, self.agent.identity.rank)
         if api == "save":
-            self.agent.record(self._saved, api, path, time.perf_counter() - started)
+            self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
             return
         # async_save returns a Future, or an AsyncSaveResponse whose upload is the commit.
         upload = getattr(result, "upload_completion", result)
@@ -110,13 +127,13 @@ class CheckpointProbe(Probe):
 
         def uploaded(future: Any) -> None:
             if not future.cancelled() and future.exception() is None:
-                self.agent.record(self._saved, api, path, time.perf_counter() - started)
+                self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
 
         add_done_callback(self.guard(uploaded))
 
-    def _saved(self, api: str, path: str | None, seconds: float) -> None:
+    def _saved(self, api: str, path: str | None, validate: bool, seconds: float) -> None:
         """Sender thread: fold into the histogram and queue the announcement."""
         self.agent.store.observe("checkpoint_save_duration_seconds", (api,), seconds)
         if path is not None:
             self.agent.emit("info", CHECKPOINT_SAVED_EVENT, path=path, api=api, duration_seconds=round(seconds, 6),
-                            validate=self.agent.identity.rank == 0)
+                            validate=validate)
