@@ -171,4 +171,6 @@ class Agent:
         self._buffer.clear()
         self._quiet.clear()
         self._events.clear()
-        self._sender = None
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.forget_after_fork()

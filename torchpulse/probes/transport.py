@@ -52,6 +52,9 @@ PROCESS_STARTED_AT = time.time()
 HEARTBEAT_INTERVAL = 5.0
 # Socket reads (64 KiB each) handled per call before the thread gets back to its own cycle.
 MAX_CHUNKS_PER_READ = 16
+# A write to a daemon that just died raises EPIPE; without this flag it also raises SIGPIPE, which
+# kills a job that restored the default disposition (common in scripts that pipe their output).
+SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 class Sender(threading.Thread):
@@ -108,6 +111,22 @@ class Sender(threading.Thread):
                 self._pipe_open = False
                 os.close(self._wake_r)
                 os.close(self._wake_w)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child (no thread runs here): close our copies of the parent's descriptors.
+
+        Left open, a DataLoader worker keeps the parent's daemon connection alive after the parent
+        died, so the daemon does not see the rank go away until every worker exits.
+        """
+        with contextlib.suppress(OSError):
+            self._close()
+        # Not under _pipe_lock: another parent thread may have held it at fork time, and it stays held here.
+        self._pipe_lock = threading.Lock()
+        if self._pipe_open:
+            self._pipe_open = False
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # -- the thread ---------------------------------------------------------
     def run(self) -> None:
@@ -191,7 +210,7 @@ class Sender(threading.Thread):
         sock.settimeout(self.config.connect_timeout)
         try:
             sock.connect(path)
-            sock.sendall(encode(self._hello()))
+            sock.sendall(encode(self._hello()), SEND_FLAGS)
             reply = self._read_reply(sock)
         except (OSError, FrameError) as exc:
             sock.close()
@@ -278,6 +297,7 @@ class Sender(threading.Thread):
         if not (samples or histograms or events) and now - self._last_send < HEARTBEAT_INTERVAL:
             return True
         self._last_send = now
+        delivered_events = 0
         for part_samples, part_hist, part_events in _split(samples, histograms, events):
             self._seq += 1
             batch = Batch(self._seq, time.time(), part_samples, part_hist, part_events)
@@ -288,8 +308,10 @@ class Sender(threading.Thread):
                 frame = encode(_utf8_batch(batch))
             if not self._send_frame(frame):
                 self.agent.store.restore_changes(samples, histograms)
-                self.agent.return_events(events)
+                # Series are running totals and safe to resend; events of frames already sent are not.
+                self.agent.return_events(events[delivered_events:])
                 return False
+            delivered_events += len(part_events)
         return True
 
     def _send_results(self) -> None:
@@ -309,7 +331,7 @@ class Sender(threading.Thread):
     def _send_frame(self, frame: bytes) -> bool:
         assert self._sock is not None
         try:
-            self._sock.sendall(frame)
+            self._sock.sendall(frame, SEND_FLAGS)
             return True
         except OSError as exc:
             self._disconnect(exc)
