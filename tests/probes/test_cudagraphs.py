@@ -204,7 +204,7 @@ def test_static_check_answers_like_the_tree_node_and_creates_no_tree_state(
     try:
         grads = [_CudaLike(t) for t in outputs[1:] + others]
         expected = [node._is_cuda_graph_recorded_tensor(g) for g in grads]
-        static = tf.static_checker() if hasattr(tf, "static_checker") else tf.is_static_for_cudagraphs
+        static = tf.static_checker()
         assert [True] * 3 + [False] * 3 == expected
         assert expected == [static(g) for g in grads]  # type: ignore[arg-type]
         assert static(_CudaLike(others[0], index=1)) is False  # type: ignore[arg-type]
@@ -213,16 +213,21 @@ def test_static_check_answers_like_the_tree_node_and_creates_no_tree_state(
         containers.clear()
 
 
+def _step_throwaway_optimizers(count: int) -> None:
+    """A hyperparameter search's pattern: one optimizer per trial, stepped once, then collected."""
+    param = torch.zeros(2, requires_grad=True)
+    for _ in range(count):
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        optimizer.step()
+        del optimizer
+    gc.collect()
+
+
 def test_without_the_optimizer_probe_labels_of_collected_optimizers_are_reused() -> None:
     """Readiness series of optimizers built one per trial stay one series, as the optimizer probe's do."""
     agent: Any = local_agent(("cudagraphs",), optimizer_state_every=1)
     try:
-        param = torch.zeros(2, requires_grad=True)
-        for _ in range(20):
-            optimizer = torch.optim.SGD([param], lr=0.1)
-            optimizer.step()
-            del optimizer
-        gc.collect()
+        _step_throwaway_optimizers(20)
         agent.drain()
         assert {("SGD#0",): 0.0} == _series(agent, "optimizer_nonstatic_grads")
     finally:
@@ -232,12 +237,7 @@ def test_without_the_optimizer_probe_labels_of_collected_optimizers_are_reused()
 def test_optimizers_built_over_and_over_leave_no_countdowns(agent: Any) -> None:
     """A search building one optimizer per trial keeps no per-optimizer entry after the optimizer is gone."""
     probe = agent.probes["cudagraphs"]
-    param = torch.zeros(2, requires_grad=True)
-    for _ in range(30):
-        optimizer = torch.optim.SGD([param], lr=0.1)
-        optimizer.step()
-        del optimizer
-    gc.collect()
+    _step_throwaway_optimizers(30)
     agent.drain()
     assert len(probe._due_in) <= 1
 

@@ -9,7 +9,7 @@ something to count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -176,23 +176,29 @@ def _symint_lines() -> tuple[list[str], LogTap]:
     return lines, LogTap(tf.CUDAGRAPH_TREES_LOGGER, logging.INFO, sink)
 
 
+def _assert_second_sizes_rerecord_once_per_graph(agent: Any, run_size: Callable[[int], object]) -> None:
+    """Run three calls of size 4, then three of size 6: every graph with symint inputs logs one "symint key"
+    line per size, and only its second size counts as a new_dynamic_shape re-recording."""
+    rerecords = _series(agent, "cudagraph_rerecords_total")
+    lines, tap = _symint_lines()
+    try:
+        for n in (4, 4, 4, 6, 6, 6):
+            run_size(n)
+    finally:
+        tap.remove()
+    agent.drain()
+    graphs = len(lines) // 2
+    assert graphs >= 1 and 2 * graphs == len(lines)
+    assert {("new_dynamic_shape",): float(graphs)} == _grown(agent, "cudagraph_rerecords_total", rerecords)
+
+
 def test_new_dynamic_shape_is_a_rerecord(agent: Any) -> None:
     """A dynamic graph recorded for a second size counts one new_dynamic_shape re-recording."""
     def scale(x: torch.Tensor) -> torch.Tensor:
         return x * 3
 
-    rerecords = _series(agent, "cudagraph_rerecords_total")
-    lines, tap = _symint_lines()
-    try:
-        compiled = torch.compile(scale, mode="reduce-overhead", dynamic=True)
-        for n in (4, 4, 4, 6, 6, 6):
-            compiled(torch.randn(n, device="cuda"))
-    finally:
-        tap.remove()
-    agent.drain()
-    graphs = len(lines) // 2  # every graph with symint inputs logs one line per size
-    assert graphs >= 1 and 2 * graphs == len(lines)
-    assert {("new_dynamic_shape",): float(graphs)} == _grown(agent, "cudagraph_rerecords_total", rerecords)
+    compiled = torch.compile(scale, mode="reduce-overhead", dynamic=True)
+    _assert_second_sizes_rerecord_once_per_graph(agent, lambda n: compiled(torch.randn(n, device="cuda")))
 
 
 def test_forward_and_backward_new_shapes_count_once_per_graph(agent: Any) -> None:
@@ -201,18 +207,12 @@ def test_forward_and_backward_new_shapes_count_once_per_graph(agent: Any) -> Non
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8, device="cuda")
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=True)
-    rerecords = _series(agent, "cudagraph_rerecords_total")
-    lines, tap = _symint_lines()
-    try:
-        for n in (4, 4, 4, 6, 6, 6):
-            model.zero_grad(set_to_none=True)
-            compiled(torch.randn(n, 8, device="cuda")).sum().backward()
-    finally:
-        tap.remove()
-    agent.drain()
-    graphs = len(lines) // 2  # every graph with symint inputs logs one line per size
-    assert graphs >= 1 and 2 * graphs == len(lines)
-    assert {("new_dynamic_shape",): float(graphs)} == _grown(agent, "cudagraph_rerecords_total", rerecords)
+
+    def train_step(n: int) -> None:
+        model.zero_grad(set_to_none=True)
+        compiled(torch.randn(n, 8, device="cuda")).sum().backward()
+
+    _assert_second_sizes_rerecord_once_per_graph(agent, train_step)
 
 
 def test_alternating_parameter_storage_is_one_rerecord(agent: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -47,6 +48,14 @@ async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met"
         await asyncio.sleep(0.02)
+
+
+async def _heartbeat(gaps: list[float]) -> None:
+    """Until cancelled, append how long each 10 ms sleep of the loop really took: a blocked loop shows."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(0.01)
+        gaps.append(time.monotonic() - before)
 
 
 def _run(tmp_path: Path, config: CheckpointsConfig,

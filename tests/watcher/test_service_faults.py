@@ -18,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 from watchdog.observers import inotify_c
 
-from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
+from tests.watcher.test_service import FakeWorker, _heartbeat, _run, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_roots, checkpoint_runner, checkpoint_service, watcher
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_mounts import Mount
@@ -311,16 +311,10 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
                                poll_interval_seconds=0.1, debounce_seconds=0.0)
     gaps: list[float] = []
 
-    async def heartbeat() -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.01)
-            gaps.append(time.monotonic() - before)
-
     async def main() -> None:
         (tmp_path / "state").mkdir()
         service = CheckpointService(config, tmp_path / "state")
-        beat = asyncio.create_task(heartbeat())
+        beat = asyncio.create_task(_heartbeat(gaps))
         try:
             await asyncio.wait_for(service.start(), 5)
             assert service._watcher is not None

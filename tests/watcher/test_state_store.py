@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
-from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
+from tests.watcher.test_service import FakeWorker, _heartbeat, _run, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
@@ -91,14 +90,8 @@ def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
     _tiny_checkpoint(step)
     gaps: list[float] = []
 
-    async def heartbeat() -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.01)
-            gaps.append(time.monotonic() - before)
-
     async def body(service: CheckpointService) -> None:
-        beat = asyncio.create_task(heartbeat())
+        beat = asyncio.create_task(_heartbeat(gaps))
         try:
             service.announce("run", 0, CheckpointSaved(str(step), "save", 1.0, True))  # writes the new root
             await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
