@@ -51,12 +51,16 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def _bounded_float(low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        value = _float(text)
         if not (low < value <= high if low_open else low <= value <= high):
             raise argparse.ArgumentTypeError(f"must be from {low:g}{' (exclusive)' if low_open else ''} to "
                                              f"{high:g}, got {text}")
@@ -66,10 +70,7 @@ def _bounded_float(low: float, high: float, low_open: bool = False) -> Callable[
 
 def _sample_rate(low: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        value = _float(text)
         if value == 0:
             return 0.0  # sampling off
         if not low <= value <= 1:  # NaN fails here too
@@ -179,8 +180,8 @@ def _ctl(args: argparse.Namespace) -> int:
         if args.start_step is not None:
             command_args["start_step"] = args.start_step
     # Agents send undecodable bytes of a run name as "?" (it travels as UTF-8): so does the address.
-    ranks = sorted(set(args.rank)) if args.rank else None
-    request = CtlRequest(utf8(args.run), ranks, args.action, command_args, timeout)
+    # A rank named twice is merged by the daemon, for every client.
+    request = CtlRequest(utf8(args.run), args.rank, args.action, command_args, timeout)
     path = Path(args.socket) if args.socket else agent_socket_path()
     try:
         reply = send_ctl(path, request, timeout + 5.0)
