@@ -197,6 +197,8 @@ class RankStatus(msgspec.Struct, frozen=True):
     events_received: int
     events_dropped: int
     last_seen_seconds_ago: float
+    # Said goodbye before disconnecting (normal exit or detach); a default for older daemons.
+    exited: bool = False
 
 
 class RunStatus(msgspec.Struct, frozen=True):

@@ -33,6 +33,7 @@ class RankSummary:
     run: str
     rank: str
     up: bool = False
+    exited: bool = False
     steps: float = 0.0
     step_buckets: list[tuple[float, float]] = field(default_factory=list)
     learning_rates: dict[str, float] = field(default_factory=dict)
@@ -67,6 +68,8 @@ def summarize(exposition: str) -> list[RankSummary]:
             name = sample.name
             if name == "torchpulse_agent_up":
                 of(labels).up = sample.value == 1.0
+            elif name == "torchpulse_agent_exited":
+                of(labels).exited = sample.value == 1.0
             elif name == "torchpulse_optimizer_steps_total":
                 of(labels).steps += sample.value
             elif name == "torchpulse_optimizer_step_duration_seconds_bucket":
@@ -112,7 +115,8 @@ def _count(row: RankSummary, name: str) -> str:
 def format_table(rows: list[RankSummary]) -> str:
     header = ("run", "rank", "up", "steps", "step p50", "step p99", "learning rate", "state size", "dropped")
     body = [
-        (r.run, r.rank, "yes" if r.up else "no", f"{r.steps:.0f}", _seconds(r.p50), _seconds(r.p99),
+        (r.run, r.rank, "yes" if r.up else "exited" if r.exited else "no", f"{r.steps:.0f}", _seconds(r.p50),
+         _seconds(r.p99),
          ", ".join(f"{v:.3g}" for v in r.learning_rates.values()) or "-", _bytes(r.state_bytes),
          f"{r.dropped:.0f}")
         for r in rows

@@ -95,11 +95,14 @@ def overview() -> list[Panel]:
             "Agents connected",
             "none",
             "Ranks whose agent is connected to a daemon. Red when a rank of a selected run "
-            "disconnected: check that the job still runs (crash, hang, OOM kill) and the "
-            "daemon on that node (`systemctl status torchpulse`).",
+            "disconnected without saying goodbye: check that the job still runs (crash, hang, "
+            "OOM kill) and the daemon on that node (`systemctl status torchpulse`). Ranks that "
+            "exited normally or detached count as exited, not disconnected.",
             [
                 q(f"sum(torchpulse_agent_up{{{SEL}}})", "connected"),
-                q(f"count(torchpulse_agent_up{{{SEL}}} == 0) or vector(0)", "disconnected"),
+                q(f"count(torchpulse_agent_up{{{SEL}}} == 0 unless on (run, rank) "
+                  f"torchpulse_agent_exited{{{SEL}}} == 1) or vector(0)", "disconnected"),
+                q(f"count(torchpulse_agent_exited{{{SEL}}} == 1) or vector(0)", "exited"),
             ],
             width=6,
             height=5,

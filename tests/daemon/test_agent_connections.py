@@ -7,6 +7,8 @@ import math
 import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import DaemonProcess, rejected_frames, select, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, rejected_frames, select, start_daemon, wait_for
 from torchpulse.daemon import server as server_module
 from torchpulse.daemon.client import request_status, send_ctl
 from torchpulse.daemon.control import ControlHub
@@ -246,3 +248,73 @@ def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
         assert 600 << 10 == most  # one parked frame at a time: two would be 1.2 MiB
 
     asyncio.run(main())
+
+
+def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_its_run_goes_on(
+        tmp_path: Path) -> None:
+    """Goodbye tells a normal exit from a crash: agent_exited 1 and `status` says exited; a SIGKILLed
+    rank stays agent_exited 0 (TorchpulseAgentDown's case). After the grace period only the exited
+    rank is forgotten: its run still has a connected rank (an elastic job scaled down)."""
+    config = tmp_path / "tp.toml"
+    config.write_text("[runs]\ngrace_period_seconds = 4\n")
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    killed: subprocess.Popen[bytes] | None = None
+    try:
+        with _connect(daemon.socket_path, _hello("elastic", 0, os.getpid())) as staying:
+            _read_frame(staying)
+
+            def job(rank: int, steps: int) -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "torchpulse", "run", "--run-name", "elastic", "--", sys.executable,
+                     "-m", "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", "0.01"],
+                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    env=daemon.env(RANK=str(rank), WORLD_SIZE="3", OMP_NUM_THREADS="1",
+                                   TORCHPULSE_PROBES="optimizer"))
+
+            killed = job(2, 100_000)
+            assert 0 == job(1, 5).wait(120)
+            wait_for(lambda: [0, 2] == _connected(daemon, "elastic"), timeout=60)
+            killed.kill()
+            killed.wait(30)
+            wait_for(lambda: [0] == _connected(daemon, "elastic"), timeout=30)
+
+            def of(name: str) -> dict[str, float]:
+                return {dict(k)["rank"]: v for k, v in select(daemon.scrape(), name, run="elastic").items()}
+
+            assert {"0": 1.0, "1": 0.0, "2": 0.0} == of("torchpulse_agent_up")
+            assert {"0": 0.0, "1": 1.0, "2": 0.0} == of("torchpulse_agent_exited")
+            (run,) = [r for r in request_status(daemon.socket_path).runs if r.run == "elastic"]
+            assert {1: True, 2: False} == {r.rank: r.exited for r in run.ranks if not r.connected}
+            status = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket",
+                                     str(daemon.socket_path)], cwd=REPO, capture_output=True, text=True,
+                                    timeout=60, env=daemon.env())
+            states = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines()
+                      if line.strip()[:1].isdigit()}
+            assert ("connected", "exited", "gone") == (states["0"], states["1"], states["2"]), status.stdout
+
+            wait_for(lambda: {"0", "2"} == set(of("torchpulse_agent_up")), timeout=30)
+            assert any(e.get("event") == "exited rank forgotten after its grace period; its run goes on"
+                       and e.get("rank") == 1 for e in daemon.log_lines())
+            assert 0.0 == of("torchpulse_agent_up")["2"], "a rank that vanished without goodbye stays down"
+            assert not select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="elastic", rank="1")
+    finally:
+        if killed is not None and killed.poll() is None:
+            killed.kill()
+            killed.wait(30)
+        daemon.stop()
+
+
+def test_a_process_that_detaches_and_attaches_again_is_no_longer_exited() -> None:
+    """Goodbye then a new hello from the same process (detach, attach): connected, not exited, kept."""
+    registry = Registry(grace_period=0.0)
+    run, _ = registry.connect(_hello("re", 0, 1), None)
+    _, rank = registry.connect(_hello("re", 1, 2), None)
+    registry.goodbye(rank)
+    registry.disconnect(run, rank, rank.connection)
+    registry.connect(_hello("re", 1, 2), None)
+    assert ([], []) == registry.prune(time.monotonic() + 60)
+    assert (True, False) == (run.ranks[1].connected, run.ranks[1].exited)
+    registry.goodbye(run.ranks[1])
+    registry.disconnect(run, run.ranks[1], run.ranks[1].connection)
+    assert ([], [("re", 1)]) == registry.prune(time.monotonic() + 60)
+    assert [0] == list(run.ranks)

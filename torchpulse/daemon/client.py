@@ -70,7 +70,10 @@ def format_status(reply: StatusReply) -> str:
         lines.append(f"run {printable(run.run)} ({state}, world size {run.world_size})")
         lines.append(f"  {'rank':>4}  {'state':<12} {'pid':>8}  {'host':<16} {'received':>10} {'dropped':>8}")
         for rank in run.ranks:
-            status = "connected" if rank.connected else f"gone {_duration(rank.last_seen_seconds_ago)}"
+            if rank.connected:
+                status = "connected"
+            else:
+                status = f"{'exited' if rank.exited else 'gone'} {_duration(rank.last_seen_seconds_ago)}"
             lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {printable(rank.host)[:16]:<16} "
                          f"{rank.events_received:>10} {rank.events_dropped:>8}")
     return "\n".join(lines)

@@ -41,6 +41,11 @@ class RankState:
     connected: bool = True
     connected_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
+    # The agent said goodbye before its connection closed: its process exited normally or
+    # detached. Such a rank is not down, and is forgotten after the grace period even while
+    # the rest of its run goes on (an elastic job scaled down).
+    exited: bool = False
+    disconnected_at: float | None = None
     events_received: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
@@ -136,6 +141,7 @@ class Registry:
             # The same process reconnecting: keep what it told us so far. A pid reused on the same host
             # (a restarted container) is a new process: its started_at differs.
             previous.hello, previous.peer, previous.connected = hello, peer, True
+            previous.exited, previous.disconnected_at = False, None
             previous.connected_at = previous.last_seen = time.monotonic()
             state = previous
         else:
@@ -174,9 +180,15 @@ class Registry:
         self.connections -= 1
         if self.owns(run, state, connection):
             state.connected = False
+            state.disconnected_at = time.monotonic()
             state.channel = state.close = None
         if not any(rank.connected for rank in run.ranks.values()):
             run.ended_at = time.monotonic()
+
+    @staticmethod
+    def goodbye(state: RankState) -> None:
+        """The rank's agent announced a normal exit (or a detach) on the connection that owns it."""
+        state.exited = True
 
     def reject_frame(self, reason: str) -> None:
         self.frames_rejected[reason] += 1
@@ -237,8 +249,13 @@ class Registry:
         return True
 
     # -- housekeeping ---------------------------------------------------------
-    def prune(self, now: float | None = None) -> list[str]:
-        """Forget runs that ended more than the grace period ago."""
+    def prune(self, now: float | None = None) -> tuple[list[str], list[tuple[str, int]]]:
+        """Forget runs that ended, and ranks that exited, more than the grace period ago.
+
+        A rank whose connection dropped without a goodbye (a crash, a kill, a hang
+        the daemon cut off) stays until its run ends: it is what TorchpulseAgentDown
+        is about. Returns the runs and the (run, rank) pairs forgotten.
+        """
         now = time.monotonic() if now is None else now
         expired = [
             name for name, run in self.runs.items()
@@ -246,7 +263,15 @@ class Registry:
         ]
         for name in expired:
             del self.runs[name]
-        return expired
+        departed: list[tuple[str, int]] = []
+        for run in self.runs.values():
+            for rank, state in list(run.ranks.items()):
+                if (state.exited and not state.connected and state.disconnected_at is not None
+                        and now - state.disconnected_at >= self.grace_period):
+                    del run.ranks[rank]
+                    run.series -= state.series
+                    departed.append((run.name, rank))
+        return expired, departed
 
     def counts(self) -> tuple[int, int]:
         """Active runs and connected ranks."""

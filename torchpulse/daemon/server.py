@@ -156,6 +156,7 @@ class AgentServer:
                 elif isinstance(frame, CommandResult):
                     self.control.resolve(frame, registered[1], connection)
                 elif isinstance(frame, Goodbye):
+                    self.registry.goodbye(registered[1])
                     continue
                 else:
                     raise FrameError("unexpected_type", f"{type(frame).__name__} is not valid after hello")

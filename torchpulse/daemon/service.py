@@ -79,7 +79,7 @@ class Daemon:
                 ended=run.ended_at is not None,
                 ranks=[
                     RankStatus(rank=rank, pid=st.hello.pid, host=st.hello.host, connected=st.connected,
-                               events_received=st.events_received, events_dropped=st.events_dropped,
+                               exited=st.exited, events_received=st.events_received, events_dropped=st.events_dropped,
                                last_seen_seconds_ago=round(now - st.last_seen, 3))
                     for rank, st in sorted(run.ranks.items())
                 ],
@@ -145,8 +145,11 @@ class Daemon:
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
-            for name in self.registry.prune():
+            expired, departed = self.registry.prune()
+            for name in expired:
                 log.info("run expired after its grace period", run=name)
+            for name, rank in departed:
+                log.info("exited rank forgotten after its grace period; its run goes on", run=name, rank=rank)
             if self._reload_requested:
                 self._reload_requested = False
                 self.reload()

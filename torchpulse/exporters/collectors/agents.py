@@ -18,6 +18,12 @@ class AgentsCollector:
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("torchpulse_agent_up", "1 while the rank's agent is connected.",
                                labels=["run", "rank"])
+        exited = GaugeMetricFamily(
+            "torchpulse_agent_exited",
+            "1 once the rank's agent said goodbye before disconnecting (its process exited normally or "
+            "detached): agent_up 0 then means gone, not down.",
+            labels=["run", "rank"],
+        )
         info = GaugeMetricFamily(
             "torchpulse_run_info", "Facts about a run (join on `run`); always 1.",
             labels=["run", "torch_version", "world_size", "host", "agent_version", "command"],
@@ -31,10 +37,11 @@ class AgentsCollector:
         for run in self.registry.runs.values():
             for rank, state in run.ranks.items():
                 up.add_metric([run.name, str(rank)], 1.0 if state.connected else 0.0)
+                exited.add_metric([run.name, str(rank)], 1.0 if state.exited else 0.0)
             hello = run.info
             if hello is not None:
                 info.add_metric([run.name, hello.torch_version, str(hello.world_size), hello.host,
                                  hello.agent_version, hello.command], 1.0)
             series.add_metric([run.name], float(run.series))
             rejected.add_metric([run.name], float(run.series_rejected))
-        yield from (up, info, series, rejected)
+        yield from (up, exited, info, series, rejected)
