@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -14,7 +15,13 @@ import urllib.request
 from pathlib import Path
 
 from torchpulse.daemon.client import format_status, request_status
-from torchpulse.summary import format_checkpoints, format_probe_table, format_table, summarize
+from torchpulse.summary import (
+    format_checkpoint_saves,
+    format_checkpoints,
+    format_probe_table,
+    format_table,
+    summarize,
+)
 
 
 def _free_port() -> int:
@@ -52,6 +59,20 @@ def _wait_validated(url: str, expected: int, timeout: float = 90.0) -> None:
         time.sleep(0.5)
 
 
+def _save_failures_logged(log: Path) -> list[str]:
+    """The daemon's `checkpoint save failed` events (JSON lines: its stderr is a file), one line per rank."""
+    lines: list[tuple[str, str]] = []
+    for text in log.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == "checkpoint save failed":
+            lines.append((str(entry.get("rank")), f"rank {entry.get('rank')} {entry.get('level')}: {entry.get('api')} "
+                          f"to {entry.get('path')} raised {entry.get('error')}: {entry.get('message')}"))
+    return [line for _rank, line in sorted(lines)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
@@ -74,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         _wait_ready(url, daemon, log)
         checkpoints = workdir / "checkpoints"
         job_args = ["--steps", str(args.steps), "--compile", "--nan-at-step", str(max(1, args.steps // 4)),
-                    "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(max(1, args.steps // 2))]
+                    "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(max(1, args.steps // 2)),
+                    "--fail-save-at-step", str(max(1, args.steps * 3 // 4))]
         job = [sys.executable, "-m", "torchpulse", "run", "--socket", str(sock), "--run-name", "demo", "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                "-m", "torchpulse.demo_job", *job_args]
         print(f"== training: torchpulse run -- torchrun --nproc-per-node {args.ranks} -m torchpulse.demo_job "
               f"{' '.join(job_args)}")
         print("   (a compiled metric that recompiles once and breaks its graph, one injected NaN gradient,\n"
-              "    DCP checkpoints that the daemon validates)")
+              "    DCP checkpoints that the daemon validates, and one checkpoint save that fails on purpose)")
         started = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         result = subprocess.run(job, env=env, check=False)
@@ -93,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
         print("\n== what the autograd and compile probes saw\n")
         print(format_probe_table(rows))
+        print("\n== checkpoint saves the probe counted (the failure is the job's deliberate one; alert: "
+              "CheckpointSaveFailed)\n")
+        print(format_checkpoint_saves(rows))
+        for line in _save_failures_logged(log):
+            print(f"   daemon log: {line}")
         print("\n== checkpoints, validated by the daemon (torchpulse check PATH does the same by hand)\n")
         print(format_checkpoints(exposition))
         print("\n== torchpulse status\n")

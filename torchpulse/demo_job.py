@@ -4,7 +4,8 @@ A 2-layer transformer encoder trained on random tokens with AdamW and a
 step-decay schedule, on CPU; DistributedDataParallel over gloo when started
 by torchrun. Options exercise every probe: a compiled helper that recompiles
 once and breaks its graph, an injected non-finite gradient (the step is then
-skipped, as GradScaler would), and DCP checkpoints. It knows nothing about torchpulse: it
+skipped, as GradScaler would), DCP checkpoints, and one save that fails on purpose
+(caught by the job, which trains on). It knows nothing about torchpulse: it
 runs under `torchpulse run`, which attaches the agent without code changes.
 """
 
@@ -55,6 +56,24 @@ def _save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> Non
     state_dict_saver.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
 
 
+def _save_that_fails(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """A save into a path under /dev/null: mkdir fails on every rank (root included), as on a broken mount."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    target = Path("/dev/null") / f"step-{step:06d}"
+    loud = int(os.environ.get("RANK", "0")) == 0
+    if loud:
+        print(f"demo_job: step {step}: DELIBERATE failing checkpoint save to {target} (cannot be a directory)",
+              flush=True)
+    try:
+        _save(model, optimizer, target)
+    except CheckpointException as exc:  # a BaseException in torch 2.13: `except Exception` misses it
+        if loud:
+            cause = next(iter(exc.failures.values()))[0]
+            print(f"demo_job: step {step}: the deliberate save failed as intended ({type(exc).__name__}: "
+                  f"{type(cause).__name__}); caught, training goes on", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
@@ -66,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nan-at-step", type=int, default=-1, help="make one gradient NaN at this step")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a DCP checkpoint here every --checkpoint-every")
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--fail-save-at-step", type=int, default=-1,
+                        help="attempt one checkpoint save that fails on purpose at this step (caught)")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -101,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         if args.checkpoint_dir is not None and step % args.checkpoint_every == 0:
             _save(model, optimizer, args.checkpoint_dir / f"step-{step:06d}")
+        if step == args.fail_save_at_step:
+            _save_that_fails(model, optimizer, step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if distributed:

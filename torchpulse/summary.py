@@ -40,6 +40,9 @@ class RankSummary:
     state_bytes: float = 0.0
     dropped: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    checkpoint_saves: float = 0.0
+    # Failed checkpoint saves by "api error".
+    save_failures: dict[str, float] = field(default_factory=dict)
 
     @property
     def p50(self) -> float:
@@ -85,6 +88,12 @@ def summarize(exposition: str) -> list[RankSummary]:
                 of(labels).state_bytes += sample.value
             elif name == "torchpulse_agent_events_dropped_total":
                 of(labels).dropped += sample.value
+            elif name == "torchpulse_checkpoint_save_duration_seconds_count":
+                of(labels).checkpoint_saves += sample.value
+            elif name == "torchpulse_checkpoint_save_failures_total":
+                failures = of(labels).save_failures
+                failure = f"{labels.get('api', '?')} {labels.get('error', '?')}"
+                failures[failure] = failures.get(failure, 0.0) + sample.value
             elif name.endswith("_total") or family.type == "gauge":
                 extra = of(labels).extra
                 extra[name] = extra.get(name, 0.0) + sample.value
@@ -136,6 +145,17 @@ def format_probe_table(rows: list[RankSummary]) -> str:
         for r in rows
     ]
     return _table(header, body)
+
+
+def format_checkpoint_saves(rows: list[RankSummary]) -> str:
+    """What the checkpoint probe counted, per rank: saves that returned and saves that raised."""
+    header = ("run", "rank", "saves", "failed saves", "failures by api and error")
+    body = [
+        (r.run, r.rank, f"{r.checkpoint_saves:.0f}", f"{sum(r.save_failures.values()):.0f}",
+         ", ".join(f"{key} x{count:.0f}" for key, count in sorted(r.save_failures.items())) or "-")
+        for r in rows if r.checkpoint_saves or r.save_failures
+    ]
+    return _table(header, body) if body else "no checkpoint saves"
 
 
 def format_checkpoints(exposition: str) -> str:

@@ -543,8 +543,26 @@ def checkpoints() -> list[Panel]:
                     "{{root}} {{status}}",
                 )
             ],
-            width=24,
+            width=12,
             height=6,
+        ),
+        panel(
+            "timeseries",
+            "Failed checkpoint saves",
+            "short",
+            "Checkpoint saves that raised since each rank started, summed over ranks (a failing DCP save "
+            "raises on every rank of the save), by API and exception class. Any step up "
+            "(CheckpointSaveFailed) is a lost checkpoint: the daemon log's `checkpoint save failed` events "
+            "name the path and the first failing rank's error (full disk, permissions, a bad path).",
+            [
+                q(
+                    f"sum by (run, api, error) (torchpulse_checkpoint_save_failures_total{{{RUN}}})",
+                    "{{run}} {{api}} {{error}}",
+                )
+            ],
+            width=12,
+            height=6,
+            red_above=1,
         ),
     ]
 

@@ -18,6 +18,7 @@ REQUIRED_ALERTS = {
     "OptimizerStepSlow",
     "CheckpointInvalid",
     "CheckpointIncomplete",
+    "CheckpointSaveFailed",
     "NoValidCheckpointRecently",
     "TorchpulseAgentDown",
     "TorchpulseEventsDropped",

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import math
 
-from torchpulse.summary import format_checkpoints, format_probe_table, format_table, summarize
+from torchpulse.summary import (
+    format_checkpoint_saves,
+    format_checkpoints,
+    format_probe_table,
+    format_table,
+    summarize,
+)
 
 BUCKETS_ONLY = """\
 # HELP torchpulse_optimizer_step_duration_seconds Wall time of optimizer.step() on the host.
@@ -32,3 +38,29 @@ def test_an_exposition_without_torchpulse_series_gives_empty_tables() -> None:
     assert "no checkpoint roots" == format_checkpoints("")
     no_observations = BUCKETS_ONLY.replace(" 1.0\n", " 0.0\n").replace(" 3.0\n", " 0.0\n").replace(" 4.0\n", " 0.0\n")
     assert math.isnan(summarize(no_observations)[0].p50)
+
+
+SAVES = """\
+# HELP torchpulse_checkpoint_save_duration_seconds Wall time of a save.
+# TYPE torchpulse_checkpoint_save_duration_seconds histogram
+torchpulse_checkpoint_save_duration_seconds_bucket{run="r",rank="0",api="save",le="+Inf"} 2.0
+torchpulse_checkpoint_save_duration_seconds_count{run="r",rank="0",api="save"} 2.0
+torchpulse_checkpoint_save_duration_seconds_sum{run="r",rank="0",api="save"} 0.5
+# HELP torchpulse_checkpoint_save_failures_total Saves that raised.
+# TYPE torchpulse_checkpoint_save_failures_total counter
+torchpulse_checkpoint_save_failures_total{run="r",rank="0",api="save",error="NotADirectoryError"} 1.0
+torchpulse_checkpoint_save_failures_total{run="r",rank="1",api="async_save",error="OSError"} 2.0
+torchpulse_checkpoint_save_failures_total{run="r",rank="1",api="save",error="NotADirectoryError"} 1.0
+# HELP torchpulse_agent_up Connected.
+# TYPE torchpulse_agent_up gauge
+torchpulse_agent_up{run="r",rank="2"} 1.0
+"""
+
+
+def test_checkpoint_saves_and_failures_are_summarized_per_rank() -> None:
+    """Saves that returned and failures by api and error, per rank; a rank that never saved has no row."""
+    lines = format_checkpoint_saves(summarize(SAVES)).splitlines()
+    assert [["r", "0", "2", "1", "save", "NotADirectoryError", "x1"],
+            ["r", "1", "0", "3", "async_save", "OSError", "x2,", "save", "NotADirectoryError", "x1"]] == [
+        line.split() for line in lines[2:]]
+    assert "no checkpoint saves" == format_checkpoint_saves(summarize(BUCKETS_ONLY))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,56 @@ def agent() -> Iterator[Any]:
 def _announcements(agent: Any) -> list[dict[str, object]]:
     agent.drain()
     return [dict(e.fields) for e in agent.take_events(100) if e.event == "checkpoint saved"]
+
+
+def _events(agent: Any) -> list[tuple[str, str, dict[str, object]]]:
+    agent.drain()
+    return [(e.level, e.event, dict(e.fields)) for e in agent.take_events(100)]
+
+
+def _failures(agent: Any) -> dict[tuple[str, ...], float]:
+    """Every checkpoint_save_failures_total series in the agent's store, by its (api, error) labels."""
+    agent.drain()
+    return {labels: value for (name, labels), value in agent.store._values.items()
+            if name == "checkpoint_save_failures_total"}
+
+
+def _saves(agent: Any) -> int:
+    return sum(sum(h.counts) for (name, _), h in agent.store._histograms.items()
+               if name == "checkpoint_save_duration_seconds")
+
+
+@pytest.fixture
+def spied(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, list[BaseException]]]:
+    """An agent whose probe wraps a spy around torch's own `save`: the spy keeps what torch raised."""
+    raised: list[BaseException] = []
+    real_save = saver.save
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_save(*args, **kwargs)
+        except BaseException as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(saver, "save", spy)
+    monkeypatch.setattr(dcp, "save", spy)
+    agent: Any = local_agent(("checkpoint",))
+    yield agent, raised
+    agent.shutdown()
+
+
+def _under_a_regular_file(tmp_path: Path) -> Path:
+    """A checkpoint path whose parent is a regular file: mkdir fails with ENOTDIR, for root too."""
+    (tmp_path / "a-file").write_bytes(b"")
+    return tmp_path / "a-file" / "ck"
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def test_save_is_timed_and_announced_with_its_return_value_unchanged(agent: Any, tmp_path: Path) -> None:
@@ -61,6 +112,118 @@ def test_a_failing_save_raises_its_own_exception_and_announces_nothing(agent: An
     with pytest.raises(CheckpointException) as raised:
         dcp.save({"w": torch.ones(2)}, storage_writer=BrokenWriter("/tmp/tp-never"), no_dist=True)
     assert ("disk full", []) == (str(raised.value.failures[0][0]), _announcements(agent))
+
+
+def test_a_save_that_fails_for_real_is_counted_once_and_the_job_gets_the_very_same_exception(
+        spied: tuple[Any, list[BaseException]], tmp_path: Path) -> None:
+    """A successful save counts no failure; a real dcp.save into a path under a regular file raises torch's own
+    CheckpointException object to the caller, counted once (api=save) under its cause and logged."""
+    agent, raised = spied
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ok", no_dist=True)
+    assert ({}, 1) == (_failures(agent), _saves(agent))
+    target = _under_a_regular_file(tmp_path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as caught:
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=target, no_dist=True)
+    assert [caught.value] == raised
+    assert caught.value is raised[0]
+    assert ({("save", "NotADirectoryError"): 1.0}, 1) == (_failures(agent), _saves(agent))
+
+
+def test_a_failed_save_is_logged_as_a_warning_with_path_api_error_and_cause(agent: Any, tmp_path: Path) -> None:
+    """The warning event names the path, the API, the exception class, the first failing rank's exception class
+    and a message cut to 500 characters; nothing is announced for validation."""
+    target = _under_a_regular_file(tmp_path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=target, no_dist=True)
+    [(level, event, fields)] = _events(agent)
+    assert ("warning", "checkpoint save failed", str(target), "save", "CheckpointException", "NotADirectoryError") == (
+        level, event, fields["path"], fields["api"], fields["error"], fields["cause"])
+    message = str(fields["message"])
+    assert message.startswith("1 rank(s) failed, the first with NotADirectoryError: [Errno 20] Not a directory")
+    assert len(message) <= 500
+
+
+def test_an_async_save_whose_upload_fails_for_real_is_counted_once(agent: Any, tmp_path: Path) -> None:
+    """The upload future of a real async_save ends in CheckpointException: one failure with api=async_save under
+    its cause (the upload thread's inner save is not a second one), and no announcement."""
+    target = _under_a_regular_file(tmp_path)
+    future = dcp.async_save({"w": torch.ones(2)}, checkpoint_id=target, no_dist=True)
+    upload = getattr(future, "upload_completion", future)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException):
+        upload.result(timeout=60)
+    # The future runs its callbacks after waking result(): wait for ours.
+    _wait_for(lambda: bool(_failures(agent)))
+    assert {("async_save", "NotADirectoryError"): 1.0} == _failures(agent)
+    assert ["checkpoint save failed"] == [event for _, event, _ in _events(agent)]
+
+
+def test_an_async_save_that_fails_while_staging_is_counted_and_raises_unchanged(agent: Any, tmp_path: Path) -> None:
+    """async_save cannot stage a meta tensor and raises at once: the job gets torch's NotImplementedError,
+    counted with api=async_save."""
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        dcp.async_save({"w": torch.ones(2, device="meta")}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    assert {("async_save", "NotImplementedError"): 1.0} == _failures(agent)
+
+
+def test_error_labels_are_cut_to_64_characters_and_fold_into_other_after_8_names(agent: Any, tmp_path: Path) -> None:
+    """A storage writer whose reset raises escapes DCP's wrapping: a 300-character class name becomes a 64-character
+    label, and the ninth distinct class of the process is counted as `other`; the log keeps every full name."""
+    names = ["E" * 300, *(f"Error{i}" for i in range(1, 9))]
+
+    for name in names:
+        error = type(name, (OSError,), {})
+
+        class Refusing(dcp.FileSystemWriter):  # type: ignore[misc,name-defined]
+            raises = error
+
+            def reset(self, checkpoint_id: Any = None) -> None:
+                raise self.raises("quota exceeded")
+
+        with pytest.raises(error):
+            dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck", storage_writer=Refusing(tmp_path / "ck"),
+                     no_dist=True)
+    expected = {("save", label): 1.0 for label in ["E" * 64, *(f"Error{i}" for i in range(1, 8)), "other"]}
+    assert expected == _failures(agent)
+    assert names == [fields["error"] for _, _, fields in _events(agent)]
+
+
+def test_a_cancelled_upload_is_logged_and_not_counted(agent: Any, tmp_path: Path) -> None:
+    """Only the job (or its executor's shutdown) cancels an upload future: an info event, no failure, no save.
+
+    Each real async_save gets its own one-thread executor that starts the upload at once, so a torch
+    upload cannot be cancelled on purpose here: the probe is given a pending future to watch instead."""
+    from concurrent.futures import Future
+
+    upload: Future[None] = Future()
+    agent.probes["checkpoint"]._announce("async_save", {"checkpoint_id": tmp_path / "ck"}, time.perf_counter(), upload)
+    assert upload.cancel()
+    assert ({}, 0) == (_failures(agent), _saves(agent))
+    cancelled = {"path": str(tmp_path / "ck"), "api": "async_save"}
+    assert [("info", "checkpoint save cancelled", cancelled)] == _events(agent)
+
+
+def test_keyboard_interrupt_in_a_save_passes_through_uncounted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BaseExceptions that are no failed save (Ctrl-C, sys.exit) reach the job as they are and count nothing."""
+    interrupt = KeyboardInterrupt()
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise interrupt
+
+    monkeypatch.setattr(saver, "save", interrupted)
+    agent: Any = local_agent(("checkpoint",))
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            saver.save({"w": torch.ones(2)}, checkpoint_id="/tmp/tp-never", no_dist=True)
+        assert (True, {}, []) == (caught.value is interrupt, _failures(agent), _events(agent))
+        assert agent.probes["checkpoint"].enabled
+    finally:
+        agent.shutdown()
 
 
 def test_uninstall_restores_both_module_attributes() -> None:

@@ -1,8 +1,19 @@
-"""Checkpoint probe: time `torch.distributed.checkpoint.save`/`async_save` and announce the path.
+"""Checkpoint probe: time `torch.distributed.checkpoint.save`/`async_save`, announce the path, count failures.
 
 The daemon validates what rank 0 announces (one node per checkpoint) and
 watches the checkpoint's parent directory from then on. The save itself is
 untouched: same arguments, same return value, its exceptions propagate.
+
+A save that raises (a `save`, an `async_save` while staging, or an async
+upload whose future ends in an exception) counts in
+`checkpoint_save_failures_total{api,error}` (error: the class of what went
+wrong, for DCP's CheckpointException that of the first failing rank's exception)
+and logs a warning event; the job
+still gets the very same exception. Failures are `Exception`s and DCP's
+`CheckpointException` (a `BaseException` in torch 2.13); KeyboardInterrupt,
+SystemExit and the like pass uncounted. A cancelled upload future is no
+failure (only the job, or its executor's shutdown, cancels one): it logs an
+info event and counts nothing.
 
 `torch.distributed.checkpoint` takes ~0.9 s to import, so the probe does not
 import it: when the job has not imported it yet, a meta-path hook patches
@@ -20,17 +31,31 @@ import functools
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from torchpulse.probes.base import Probe
+from torchpulse.probes.store import BoundedLabel
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT
+
+if TYPE_CHECKING:
+    from torchpulse.probes.agent import Agent
 
 SAVER: Final = "torch.distributed.checkpoint.state_dict_saver"
 PACKAGE: Final = "torch.distributed.checkpoint"
+# Holds CheckpointException; state_dict_saver imports it (through .utils) before the probe patches.
+API_MODULE: Final = "torch.distributed.checkpoint.api"
 APIS: Final = ("save", "async_save")
+SAVE_FAILED_EVENT: Final = "checkpoint save failed"
+SAVE_CANCELLED_EVENT: Final = "checkpoint save cancelled"
+# The `error` label is a class name: cut well below the daemon's MAX_LABEL_CHARS (200, beyond which it
+# refuses the whole series), and the first ERROR_LABELS distinct names per process keep their own series.
+MAX_ERROR_CHARS: Final = 64
+ERROR_LABELS: Final = 8
+MAX_MESSAGE_CHARS: Final = 500
 
 
 def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
@@ -78,6 +103,41 @@ class _Patch:
                 setattr(module, self.name, self.original)
 
 
+class SaveFailure(NamedTuple):
+    """What the log keeps of a failed save: plain strings, so no traceback (and its frames' tensors) stays alive."""
+
+    error: str  # class of the exception the job got
+    cause: str | None  # class of the first failing rank's exception inside a CheckpointException
+    message: str
+
+
+def describe_failure(exc: BaseException) -> SaveFailure:
+    """Class, cause and a one-line message of `exc`; a CheckpointException is described by its first failure.
+
+    Its own text is a traceback per failing rank: the first rank's exception is the useful part.
+    """
+    failures = getattr(exc, "failures", None)
+    inner: BaseException | None = None
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        first = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        inner = first if isinstance(first, BaseException) else None
+    shown = exc if inner is None else inner
+    message = "".join(traceback.format_exception_only(type(shown), shown)).strip()
+    if inner is not None and isinstance(failures, dict):
+        message = f"{len(failures)} rank(s) failed, the first with {message}"
+    return SaveFailure(type(exc).__name__, None if inner is None else type(inner).__name__,
+                       message[:MAX_MESSAGE_CHARS])
+
+
+def failure_types() -> tuple[type[BaseException], ...]:
+    """The exceptions that are failed saves: `Exception`, and DCP's CheckpointException, a BaseException."""
+    checkpoint_exception = getattr(sys.modules.get(API_MODULE), "CheckpointException", None)
+    if isinstance(checkpoint_exception, type) and issubclass(checkpoint_exception, BaseException):
+        return (Exception, checkpoint_exception)
+    return (Exception,)
+
+
 def _called_by_dcp() -> bool:
     """True when the caller is torch.distributed.checkpoint itself (saves are rare: a frame look is cheap)."""
     caller = sys._getframe(2).f_code.co_filename
@@ -87,18 +147,26 @@ def _called_by_dcp() -> bool:
 class CheckpointProbe(Probe):
     name = "checkpoint"
 
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        # Sender thread only; kept across uninstall so a re-install stays within the bound.
+        self._errors = BoundedLabel(ERROR_LABELS)
+        self._failures: tuple[type[BaseException], ...] = (Exception,)
+
     def _install(self) -> None:
         self._install_after_import(SAVER, lambda: self._patch(sys.modules[SAVER]))
 
     def _patch(self, saver: ModuleType) -> None:
+        self._failures = failure_types()
         for api in APIS:
             original = getattr(saver, api, None)
             if original is not None:
                 self._keep(_Patch(saver, api, original, self._wrap(api, original)))
 
     def _wrap(self, api: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        probe, agent = self, self.agent
+        probe, agent, failures = self, self.agent, self._failures
         announce = self.guard(self._announce)
+        failed = self.guard(self._failed)
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -106,7 +174,11 @@ class CheckpointProbe(Probe):
             if not (probe.enabled and agent.enabled) or _called_by_dcp():
                 return original(*args, **kwargs)
             started = time.perf_counter()
-            result = original(*args, **kwargs)
+            try:
+                result = original(*args, **kwargs)
+            except failures as exc:
+                failed(api, kwargs, started, exc)
+                raise  # the very same object; a KeyboardInterrupt or SystemExit never comes here
             announce(api, kwargs, started, result)
             return result
 
@@ -126,10 +198,22 @@ class CheckpointProbe(Probe):
             return
 
         def uploaded(future: Any) -> None:
-            if not future.cancelled() and future.exception() is None:
+            if future.cancelled():
+                self.agent.record(self._cancelled, api, path)
+                return
+            error = future.exception()
+            if error is None:
                 self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
+            elif isinstance(error, self._failures):
+                self.agent.record(self._save_failed, api, path, describe_failure(error),
+                                  time.perf_counter() - started)
 
         add_done_callback(self.guard(uploaded))
+
+    def _failed(self, api: str, kwargs: dict[str, Any], started: float, exc: BaseException) -> None:
+        """The save raised (job's thread): describe it now, count it on the sender thread."""
+        seconds = time.perf_counter() - started
+        self.agent.record(self._save_failed, api, checkpoint_path(kwargs), describe_failure(exc), seconds)
 
     def _saved(self, api: str, path: str | None, validate: bool, seconds: float) -> None:
         """Sender thread: fold into the histogram and queue the announcement."""
@@ -137,3 +221,15 @@ class CheckpointProbe(Probe):
         if path is not None:
             self.agent.emit("info", CHECKPOINT_SAVED_EVENT, path=path, api=api, duration_seconds=round(seconds, 6),
                             validate=validate)
+
+    def _save_failed(self, api: str, path: str | None, failure: SaveFailure, seconds: float) -> None:
+        """Sender thread: count the failure under a bounded `error` label and log it in full."""
+        # DCP wraps every failure in a CheckpointException: the cause says what went wrong.
+        error = self._errors((failure.cause or failure.error)[:MAX_ERROR_CHARS] or "unknown")
+        self.agent.store.inc("checkpoint_save_failures_total", (api, error))
+        self.agent.emit("warning", SAVE_FAILED_EVENT, path=path, api=api, error=failure.error, cause=failure.cause,
+                        message=failure.message, duration_seconds=round(seconds, 6))
+
+    def _cancelled(self, api: str, path: str | None) -> None:
+        """Sender thread: a cancelled upload wrote no checkpoint; the job asked for that, so only log it."""
+        self.agent.emit("info", SAVE_CANCELLED_EVENT, path=path, api=api)
