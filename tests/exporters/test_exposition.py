@@ -63,6 +63,25 @@ def test_negative_bucket_counts_are_refused_before_they_count_as_a_series() -> N
     assert (0, 0, 1) == (run.series, rank.series, registry.series_rejected["bad_buckets"])
 
 
+def test_a_counter_that_is_nan_inf_or_negative_is_refused_and_the_last_good_total_stays() -> None:
+    """Counters render only finite non-negative totals (NaN would make every rate() NaN); gauges may be NaN."""
+    registry = Registry()
+    run, rank = registry.connect(HELLO, None)
+    registry.apply(run, rank, Batch(1, 0.0, [Sample("optimizer_steps_total", ("Adam#0",), 7.0)], [], []))
+    for bad in (math.nan, math.inf, -1.0):
+        registry.apply(run, rank, Batch(2, 0.0, [Sample("optimizer_steps_total", ("Adam#0",), bad),
+                                                 Sample("backward_passes_total", ("backward",), bad)], [], []))
+    registry.apply(run, rank, Batch(3, 0.0, [Sample("grad_norm", (), math.nan)], [], []))
+    assert 7.0 == rank.values[("optimizer_steps_total", ("Adam#0",))]
+    assert ("backward_passes_total", ("backward",)) not in rank.values
+    assert math.isnan(rank.values[("grad_norm", ())])
+    assert (2, 6) == (run.series, registry.series_rejected["bad_value"])
+    samples = parse_exposition(build_exposition(registry).render().decode())
+    assert {"bad_value": 6.0} == {dict(k)["reason"]: v for k, v in
+                                  select(samples, "torchpulse_daemon_series_rejected_total").items()
+                                  if dict(k)["reason"] == "bad_value"}
+
+
 def test_status_text_escapes_control_characters_in_agent_names() -> None:
     from torchpulse.daemon.client import format_status
     from torchpulse.protocol import RankStatus, RunStatus, StatusReply

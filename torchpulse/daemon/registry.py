@@ -24,6 +24,7 @@ MAX_LABEL_CHARS: Final = 200
 # run_info carries the command line; agents cut it at 256 characters.
 MAX_COMMAND_CHARS: Final = 512
 SeriesKey = tuple[str, tuple[str, ...]]
+COUNTER_FAMILIES: Final = frozenset(name for name, family in CATALOG.items() if family.kind == "counter")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,12 @@ class Registry:
         values = state.values
         for sample in batch.samples:
             key = (sample.family, sample.labels)
+            value = sample.value
+            if not 0.0 <= value < math.inf and sample.family in COUNTER_FAMILIES:
+                # NaN, Inf or negative: not a count. Rendered, it would turn every rate() over the
+                # series into NaN (or a reset); the last good total stays.
+                self.series_rejected["bad_value"] += 1
+                continue
             if key not in values:
                 if not self._admit(run, sample.family, sample.labels, histogram=False):
                     continue

@@ -17,7 +17,8 @@ FRAME_REJECT_REASONS = (
     "truncated", "no_hello", "unexpected_type", "timeout",
 )
 
-SERIES_REJECT_REASONS = ("unknown_family", "bad_shape", "bad_buckets", "label_too_long", "run_series_limit")
+SERIES_REJECT_REASONS = ("unknown_family", "bad_shape", "bad_buckets", "bad_value", "label_too_long",
+                         "run_series_limit")
 
 
 class DaemonCollector:
@@ -49,7 +50,8 @@ class DaemonCollector:
             rejected.add_metric([reason], float(reg.frames_rejected.get(reason, 0)))
         yield rejected
         series = CounterMetricFamily("torchpulse_daemon_series_rejected",
-                                     "Series refused (unknown family, bad shape, run series limit), by reason.",
+                                     "Series updates refused (unknown family, bad shape, a counter that is NaN, Inf or "
+                                     "negative, run series limit), by reason.",
                                      labels=["reason"])
         for reason in sorted(set(SERIES_REJECT_REASONS) | set(reg.series_rejected)):
             series.add_metric([reason], float(reg.series_rejected.get(reason, 0)))
