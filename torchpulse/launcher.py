@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,6 +14,7 @@ from torchpulse.paths import agent_socket_path
 from torchpulse.probes.identity import generate_run_name
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "bootstrap"
+SHELL = "/bin/sh"
 
 
 def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None,
@@ -46,7 +48,17 @@ def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | Non
     env = launch_env(os.environ, socket, run_name, probes)
     _restore_signals()
     try:
-        os.execvpe(cmd[0], list(cmd), env)
+        try:
+            os.execvpe(cmd[0], list(cmd), env)
+        except OSError as exc:
+            if exc.errno != errno.ENOEXEC:
+                raise
+            # An executable text file without a `#!` line: the shell, env, nohup and timeout (execvp)
+            # run it with /bin/sh; so does `torchpulse run -- ./train.sh`.
+            path = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0], path=env.get("PATH", os.defpath))
+            if path is None:
+                raise
+            os.execve(SHELL, [SHELL, path, *cmd[1:]], env)
     except OSError as exc:
         print(f"torchpulse: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
         # The shell's convention: 127 not found, 126 found but not executable.

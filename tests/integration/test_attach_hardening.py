@@ -1,4 +1,4 @@
-"""Zero-code attach in awkward places: DataLoader workers, remote attach on an old Python."""
+"""Zero-code attach in awkward places: DataLoader workers, spawned ranks, remote attach on an old Python."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select
+from tests.support import REPO, DaemonProcess, select, wait_for
 
 JOB = textwrap.dedent("""
     import sys, torch
@@ -44,6 +44,97 @@ def test_dataloader_workers_never_become_ranks(daemon: DaemonProcess, tmp_path: 
     assert 1 == len(connected)
     steps = select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dl-{context}")
     assert [8.0] == list(steps.values())
+
+
+# Each item is perturbed along its own input gradient (adversarial augmentation): a backward pass
+# in the worker, which the autograd probe sees. A forkserver child ends with os._exit (no last
+# flush), so its workers live for several flush intervals, as any real one does.
+GRADIENT_IN_WORKER_JOB = textwrap.dedent("""
+    import sys, time, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Perturbed(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, index):
+            time.sleep(0.02)  # a worker that lives past a few flushes, as real ones do
+            x = torch.randn(4, requires_grad=True)
+            (x * x).sum().backward()
+            return (x + 0.01 * x.grad.sign()).detach(), torch.randn(1)
+
+    def main():
+        loader = DataLoader(Perturbed(), batch_size=4, num_workers=1, multiprocessing_context=sys.argv[1])
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    if __name__ == "__main__":
+        main()
+    """)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_started_dataloader_worker_that_runs_backward_is_not_a_rank(daemon: DaemonProcess, tmp_path: Path,
+                                                                    context: str) -> None:
+    """A spawn or forkserver worker imports torch afresh; one that runs autograd must not connect as the rank."""
+    script = tmp_path / "job.py"
+    script.write_text(GRADIENT_IN_WORKER_JOB)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", f"dlg-{context}", "--",
+         sys.executable, str(script), context],
+        cwd=REPO, env=daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"), capture_output=True,
+        text=True, timeout=180)
+    assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
+    wait_for(lambda: [8.0] == list(
+        select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dlg-{context}").values()))
+    connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected"]
+    assert 1 == len(connected), connected
+
+
+SPAWNED_RANKS_JOB = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def rank_main(rank, world_size, store):
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3 + rank):
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(2, sys.argv[1]), nprocs=2)
+    """)
+
+
+def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(daemon: DaemonProcess,
+                                                                           tmp_path: Path) -> None:
+    """No RANK in their environment: each spawned rank reports the rank and world size it initialised.
+
+    The agent reads them when it first connects, after the first steps: these ranks exit with their
+    group still up, so even a connection first made at exit is made with the group initialised.
+    """
+    script = tmp_path / "job.py"
+    script.write_text(SPAWNED_RANKS_JOB)
+    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1").items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", "spawned", "--",
+         sys.executable, str(script), str(tmp_path / "store")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert (0, "") == (result.returncode, result.stderr)
+
+    def steps_by_rank() -> dict[str, float]:
+        steps = select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="spawned")
+        return {dict(k)["rank"]: v for k, v in steps.items()}
+
+    wait_for(lambda: {"0": 3.0, "1": 4.0} == steps_by_rank())
+    assert ["2"] == [dict(k)["world_size"] for k in select(daemon.scrape(), "torchpulse_run_info", run="spawned")]
 
 
 def _without_resource_tracker_warnings(stderr: str) -> str:

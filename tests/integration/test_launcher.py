@@ -65,6 +65,19 @@ def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> N
         [line.rsplit(": ", 1)[1] for line in denied.stderr.splitlines()])
 
 
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_script_without_a_shebang_runs_under_sh_as_with_env(tmp_path: Path, by_name: bool) -> None:
+    """An executable script with no `#!` line (by path or found on PATH): env runs it with /bin/sh, so does run."""
+    script = tmp_path / "train.sh"
+    script.write_text('echo "args: $*"\nexit 3\n')
+    script.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ.get('PATH', os.defpath)}")
+    command = script.name if by_name else str(script)
+    direct = subprocess.run(["env", command, "a b", "c"], env=env, capture_output=True, text=True, timeout=60)
+    wrapped = _run(command, "a b", "c", env=env)
+    assert [(3, "args: a b c\n", "")] * 2 == [(r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
+
+
 @pytest.mark.parametrize("pythonpath", [":{repo}", "{repo}:"])
 def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path: Path, pythonpath: str) -> None:
     """`PYTHONPATH=$PYTHONPATH:/lib` with PYTHONPATH unset puts the cwd on sys.path; the job keeps importing from it."""
@@ -101,6 +114,46 @@ def test_a_sitecustomize_that_imports_torch_still_gets_the_agent(daemon: DaemonP
                   options=("--run-name", "site-torch"))
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: [3.0] == _steps(daemon, "site-torch"))
+
+
+def test_a_job_that_looks_for_torch_before_importing_it_still_gets_the_agent(daemon: DaemonProcess,
+                                                                            tmp_path: Path) -> None:
+    """`importlib.util.find_spec("torch")` (how transformers and accelerate check for torch) imports
+    nothing: the agent still attaches at the import that follows."""
+    script = tmp_path / "train.py"
+    script.write_text("import importlib.util\nassert importlib.util.find_spec('torch') is not None\n" + TRAIN)
+    result = _run(sys.executable, str(script), env=daemon.env(), options=("--run-name", "looked-first"))
+    assert (0, "") == (result.returncode, result.stderr)
+    wait_for(lambda: [3.0] == _steps(daemon, "looked-first"))
+
+
+def _working_python(version: str) -> str | None:
+    """A Python `version` interpreter that runs (on PATH, or one pyenv installed), or None."""
+    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    installed = sorted(str(p) for p in pyenv_root.glob(f"versions/{version}.*/bin/python{version}"))
+    candidates = [shutil.which(f"python{version}"), *installed]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True, timeout=60).returncode == 0:
+            return candidate
+    return None
+
+
+def test_an_old_python3_the_job_runs_starts_silently_and_runs_the_users_sitecustomize(tmp_path: Path) -> None:
+    """Python 3.6 (RHEL 8's /usr/bin/python3) cannot import torchpulse, but must not choke on the bootstrap."""
+    python36 = _working_python("3.6")
+    if python36 is None:
+        pytest.skip("no working Python 3.6 interpreter")
+    site = tmp_path / "usersite"
+    site.mkdir()
+    # Silent in `torchpulse run` itself, which the same PYTHONPATH applies to.
+    (site / "sitecustomize.py").write_text(
+        "import sys\nif sys.version_info < (3, 7):\n    sys.stderr.write('user sitecustomize\\n')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    code = "import json; print(json.dumps({'ok': 1}))"
+    direct = subprocess.run([python36, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    wrapped = _run(python36, "-c", code, env=env)
+    assert [(0, '{"ok": 1}\n', "user sitecustomize\n")] * 2 == [
+        (r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
 
 
 def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_path: Path) -> None:

@@ -8,26 +8,68 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Identity:
+    """Who this process is; `rank` and `world_size` not named by a launcher come from torch.distributed.
+
+    A process started by `torch.multiprocessing.spawn` has no RANK in its environment: it learns
+    its rank from its own `init_process_group(rank=...)`, after the agent attached. The agent
+    first reads them when it connects, after the first step it saw; a rank that destroyed its
+    group before its agent could first connect (daemon down all along) reports rank 0.
+    """
+
     run: str
-    rank: int
+    # None where no launcher variable named it: read from torch.distributed once initialised.
+    env_rank: int | None
     local_rank: int
-    world_size: int
+    env_world_size: int | None
     host: str
     pid: int
     command: str
+    # (rank, world size) read from torch.distributed; kept after destroy_process_group().
+    _distributed: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    @property
+    def rank(self) -> int:
+        if self.env_rank is not None:
+            return self.env_rank
+        distributed = self._from_torch_distributed()
+        return distributed[0] if distributed is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        if self.env_world_size is not None:
+            return self.env_world_size
+        distributed = self._from_torch_distributed()
+        return distributed[1] if distributed is not None else 1
+
+    def _from_torch_distributed(self) -> tuple[int, int] | None:
+        if not self._distributed:
+            # Never imports it: a job that has not imported torch.distributed has not initialised it.
+            dist = sys.modules.get("torch.distributed")
+            try:
+                if dist is None or not (dist.is_available() and dist.is_initialized()):
+                    return None
+                self._distributed.append((int(dist.get_rank()), int(dist.get_world_size())))
+            except Exception:  # a half-initialised or torn-down group: the launcher's values stand
+                return None
+        return self._distributed[0]
 
 
-def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+def _env_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     for name in names:
         value = env.get(name, "").strip()
         if value.lstrip("-").isdigit():
             return int(value)
-    return default
+    return None
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    value = _env_int(env, names)
+    return default if value is None else value
 
 
 def run_name(env: Mapping[str, str]) -> str:
@@ -47,13 +89,13 @@ def generate_run_name() -> str:
 
 
 def current_identity(env: Mapping[str, str] | None = None) -> Identity:
-    """Read the identity from the usual torchrun, SLURM and MPI variables."""
+    """Read the identity from the usual torchrun, SLURM and MPI variables (then torch.distributed)."""
     env = os.environ if env is None else env
     return Identity(
         run=run_name(env),
-        rank=_first_int(env, ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"), 0),
+        env_rank=_env_int(env, ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")),
         local_rank=_first_int(env, ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"), 0),
-        world_size=_first_int(env, ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"), 1),
+        env_world_size=_env_int(env, ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
         host=socket.gethostname(),
         pid=os.getpid(),
         # Bounded: run_info carries it as a label value.

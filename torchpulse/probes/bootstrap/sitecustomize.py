@@ -5,14 +5,14 @@ to import torch and attaches the agent right after. Processes that never
 import torch pay for one import-hook lookup and nothing else.
 """
 
-from __future__ import annotations
-
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
-# Every Python process under `torchpulse run` imports this file: no `typing` import at run time.
+# Every Python process under `torchpulse run` imports this file: no `typing` import at run time,
+# and any Python 3 must run it silently (Python 3.6 is RHEL 8's /usr/bin/python3, which jobs call):
+# no `from __future__ import annotations`, so annotations evaluated at definition are quoted.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import ModuleType
@@ -23,7 +23,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # install, nested `torchpulse run`s) chained to it: every bootstrap directory already passed.
 # Without it two bootstraps on PYTHONPATH would chain to each other until RecursionError,
 # and the user's own sitecustomize would never run.
-_CHAINED_FROM: tuple[str, ...] = globals().get("_torchpulse_chained_from", ())
+_CHAINED_FROM: "tuple[str, ...]" = globals().get("_torchpulse_chained_from", ())
 
 
 def _chain_to_shadowed_sitecustomize() -> None:
@@ -49,6 +49,16 @@ def _attach() -> None:
     try:
         if not _should_attach():
             return
+        if _starting_multiprocessing_child() and _attach_when_started():
+            return
+    except Exception as exc:
+        sys.stderr.write(f"torchpulse: agent not attached: {exc!r}\n")
+        return
+    _attach_now()
+
+
+def _attach_now() -> None:
+    try:
         import torchpulse
 
         torchpulse.attach()
@@ -56,25 +66,84 @@ def _attach() -> None:
         sys.stderr.write(f"torchpulse: agent not attached: {exc!r}\n")
 
 
-class _AttachAfterTorch:
-    """Meta-path finder that wraps torch's loader to attach once torch finished importing."""
+def _starting_multiprocessing_child() -> bool:
+    """True in a spawn or forkserver child that imports torch while it unpickles its main module or target.
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != "torch":
+    Such a child is a DataLoader worker, which never trains, or a rank of `torch.multiprocessing.spawn`;
+    which one shows only once it starts its target.
+    """
+    process = sys.modules.get("multiprocessing.process")
+    return process is not None and bool(getattr(process.current_process(), "_inheriting", False))
+
+
+def _attach_when_started() -> bool:
+    """Attach as this child starts its target, unless that is a DataLoader worker's loop; False: attach now.
+
+    BaseProcess._bootstrap is where the child first has its process object; it is wrapped once,
+    in this process only, and put back at its first call. (`multiprocessing.util.register_after_fork`
+    callbacks never run in a spawn child: SpawnProcess._after_fork does nothing.)
+    """
+    from multiprocessing.process import BaseProcess
+
+    original = BaseProcess.__dict__.get("_bootstrap")
+    if original is None:
+        return False
+
+    def bootstrap_then_attach(self: "Any", *args: "Any", **kwargs: "Any") -> "Any":
+        BaseProcess._bootstrap = original  # type: ignore[attr-defined]
+        target = getattr(self, "_target", None)
+        # A DataLoader worker never trains: like a forked one, it gets no agent.
+        if getattr(target, "__module__", None) != "torch.utils.data._utils.worker":
+            _attach_now()
+        return original(self, *args, **kwargs)
+
+    BaseProcess._bootstrap = bootstrap_then_attach  # type: ignore[attr-defined]
+    return True
+
+
+class _AttachAfterTorch:
+    """Meta-path finder that wraps torch's loader to attach once torch finished importing.
+
+    It stays until torch has run: `importlib.util.find_spec("torch")` alone, which is how
+    transformers, accelerate and Lightning check that torch is installed, imports nothing.
+    """
+
+    def __init__(self) -> None:
+        self.attached = False
+
+    def find_spec(self, name: str, path: "Any" = None, target: "Any" = None
+                  ) -> "importlib.machinery.ModuleSpec | None":
+        if name != "torch" or self.attached:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
+        spec = self._spec_from_later_finders(name, path, target)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        loader = spec.loader
         original_exec = loader.exec_module
 
-        def exec_then_attach(module: ModuleType) -> None:
+        def exec_then_attach(module: "ModuleType") -> None:
             original_exec(module)
-            _attach()
+            if not self.attached:
+                self.attached = True
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                _attach()
 
         loader.exec_module = exec_then_attach  # type: ignore[method-assign]
         return spec
+
+    def _spec_from_later_finders(self, name: str, path: "Any", target: "Any"
+                                 ) -> "importlib.machinery.ModuleSpec | None":
+        """What the import system would find for `name` without this finder (it never asks this one again)."""
+        finders = sys.meta_path
+        if self in finders:
+            finders = finders[finders.index(self) + 1:]
+        for finder in finders:
+            find_spec = getattr(finder, "find_spec", None)
+            spec = find_spec(name, path, target) if find_spec is not None else None
+            if spec is not None:
+                return spec  # type: ignore[no-any-return]
+        return None
 
 
 try:
