@@ -166,3 +166,49 @@ def test_attach_on_python_before_3_14_explains_and_exits_2() -> None:
                             capture_output=True, text=True, timeout=60)
     assert 2 == result.returncode
     assert result.stderr.startswith("torchpulse: attach needs Python >= 3.14 (sys.remote_exec)")
+
+
+EARLY_STEP_SPAWNED_JOB = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def rank_main(rank, world_size, store):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rank == 1:
+            opt.step()  # a warm-up step before the group exists: its agent connects, as rank 0
+            time.sleep(1.0)  # a few flushes
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        if rank == 1:  # rank 0 steps nothing: its agent never connects, nothing takes rank 0 over
+            for _ in range(3):
+                opt.step()
+            time.sleep(1.0)
+        dist.barrier()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(2, sys.argv[1]), nprocs=2)
+    """)
+
+
+def test_a_spawned_rank_that_connected_before_init_process_group_reconnects_as_its_rank(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    """A spawned rank connects as rank 0 (no RANK, no group yet); once the group names it rank 1, it says
+    goodbye as rank 0 (which then reads exited, not crashed) and connects again as rank 1 with all its totals."""
+    script = tmp_path / "job.py"
+    script.write_text(EARLY_STEP_SPAWNED_JOB)
+    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1", TORCHPULSE_FLUSH_INTERVAL="0.1").items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", "early", "--",
+         sys.executable, str(script), str(tmp_path / "store")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert (0, "") == (result.returncode, result.stderr)
+
+    def by_rank(name: str) -> dict[str, float]:
+        return {dict(k)["rank"]: v for k, v in select(daemon.scrape(), name, run="early").items()}
+
+    wait_for(lambda: 4.0 == by_rank("torchpulse_optimizer_steps_total").get("1"))
+    assert {"1": 1.0} == {r: v for r, v in by_rank("torchpulse_agent_exited").items() if r == "1"}
+    # Rank 0's series were this process's first hello: said goodbye, so exited and forgotten later, not down.
+    assert by_rank("torchpulse_agent_up").get("0", 0.0) == 0.0
+    assert by_rank("torchpulse_agent_exited").get("0", 1.0) == 1.0

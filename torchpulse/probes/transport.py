@@ -84,6 +84,8 @@ class Sender(threading.Thread):
         self._warned_unreachable = False
         self._gave_up = False
         self.connected_once = False
+        # (rank, world size) the daemon was told in the hello of the open connection.
+        self._hello_identity: tuple[int, int] | None = None
 
     # -- control from other threads ----------------------------------------
     def flush(self, timeout: float) -> bool:
@@ -184,6 +186,8 @@ class Sender(threading.Thread):
         if (self._sock is None and self.agent.active and not self._gave_up
                 and time.monotonic() >= self._next_attempt):
             self._connect()
+        if self._sock is not None and self._identity_changed():
+            self._rehello()
         ok = self._sock is not None and self._send_changes() and self._read_incoming()
         if final and self._sock is not None:
             self._send_frame(encode(Goodbye("exit")))
@@ -208,9 +212,10 @@ class Sender(threading.Thread):
             self._schedule_retry(path, exc)
             return
         sock.settimeout(self.config.connect_timeout)
+        hello = self._hello()
         try:
             sock.connect(path)
-            sock.sendall(encode(self._hello()), SEND_FLAGS)
+            sock.sendall(encode(hello), SEND_FLAGS)
             reply = self._read_reply(sock)
         except (OSError, FrameError) as exc:
             sock.close()
@@ -224,6 +229,7 @@ class Sender(threading.Thread):
             return
         sock.settimeout(self.config.send_timeout)
         self._sock = sock
+        self._hello_identity = (hello.rank, hello.world_size)
         self._backoff = self.config.backoff_initial
         # The daemon may have restarted and know nothing of us.
         self.agent.store.mark_all_dirty()
@@ -278,6 +284,22 @@ class Sender(threading.Thread):
             command=utf8(ident.command),
             started_at=PROCESS_STARTED_AT,
         )
+
+    def _identity_changed(self) -> bool:
+        ident = self.agent.identity
+        return (ident.rank, ident.world_size) != self._hello_identity
+
+    def _rehello(self) -> None:
+        """Connected before torch.distributed named this process's rank: say goodbye and connect as that rank.
+
+        The goodbye keeps the rank it spoke for from looking crashed (see Registry.goodbye).
+        """
+        ident = self.agent.identity
+        log.info("rank learned from torch.distributed; reconnecting as it", rank=ident.rank,
+                 world_size=ident.world_size, was=self._hello_identity)
+        self._send_frame(encode(Goodbye("identity")))
+        self._close()
+        self._connect()  # which sends every running total again, now under the new rank
 
     def _close(self) -> None:
         if self._sock is not None:
