@@ -145,13 +145,16 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
 
 def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: DaemonProcess) -> None:
     """Another run's agent guessing the command id cannot answer for the victim; an inf step counter
-    from the victim does not break planning a trace."""
+    from the victim is refused (the last good total plans the trace)."""
     victim = _connect(daemon.socket_path, _hello("victim", 0))
     other = _connect(daemon.socket_path, _hello("other", 0))
     _read_frame(victim)
     _read_frame(other)
-    victim.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), math.inf)], [], [])))
-    wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="victim")))
+    victim.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
+    victim.sendall(encode(Batch(2, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), math.inf)], [], [])))
+    wait_for(lambda: 1.0 == select(daemon.scrape(), "torchpulse_daemon_series_rejected_total").get(
+        (("reason", "bad_value"),)))
+    assert [5.0] == list(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="victim").values())
     for name in ("status", "trace"):
         ctl = Ctl(daemon, CtlRequest("victim", None, name, {}, 10.0))
         ctl.start()
