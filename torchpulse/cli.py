@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -110,6 +112,20 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["daemon"]:
+        return _dispatch(args_list)
+    try:
+        return _dispatch(args_list)
+    except BrokenPipeError:
+        # `torchpulse check DIR --format json | head`: the reader left. Quiet, like a shell tool (128 + SIGPIPE);
+        # stdout now points at /dev/null so the interpreter's own flush at exit cannot fail again.
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        return 128 + signal.SIGPIPE
+
+
+def _dispatch(args_list: list[str]) -> int:
     if args_list and args_list[0] == "check":
         from torchpulse.checkpoints.cli import main as check_main
 

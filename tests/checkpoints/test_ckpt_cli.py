@@ -147,3 +147,16 @@ def test_text_summary_counts_findings_that_were_not_listed() -> None:
     total = MAX_FINDINGS_PER_RULE + 250
     assert (f"{total} error;" in lines[0], lines[1].endswith(f"({total})"), lines[-1].strip()) == (
         True, True, "error   ... and 250 more findings of this rule omitted")
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(single_root: Path) -> None:
+    """`torchpulse check DIR --format json | head -c 0`: no BrokenPipeError traceback, the shell's 141."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torchpulse", "check", str(single_root / "single"),
+                               "--level", "metadata", "--format", "json"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (141, "") == (proc.returncode, proc.stderr)
