@@ -30,15 +30,30 @@ JOB = textwrap.dedent("""
     """)
 
 
+def _run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: str
+             ) -> subprocess.CompletedProcess[str]:
+    """`torchpulse run --run-name RUN -- python job.py ARGS` for a job script with `source`."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+
+def _spawned_env(daemon: DaemonProcess, **extra: str) -> dict[str, str]:
+    """The daemon's environment without launcher variables: ranks learn who they are from torch.distributed."""
+    return {k: v for k, v in daemon.env(OMP_NUM_THREADS="1", **extra).items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+
+
+def _by_rank(daemon: DaemonProcess, name: str, run: str) -> dict[str, float]:
+    return {dict(k)["rank"]: v for k, v in select(daemon.scrape(), name, run=run).items()}
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_never_become_ranks(daemon: DaemonProcess, tmp_path: Path, context: str) -> None:
     """Under `torchpulse run` only the training process connects; fork and spawn workers do not."""
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", f"dl-{context}", "--",
-         sys.executable, str(script), context],
-        cwd=REPO, env=daemon.env(), capture_output=True, text=True, timeout=180)
+    result = _run_job(JOB, tmp_path, f"dl-{context}", daemon.env(), context)
     assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
     connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected"]
     assert 1 == len(connected)
@@ -81,13 +96,8 @@ GRADIENT_IN_WORKER_JOB = textwrap.dedent("""
 def test_a_started_dataloader_worker_that_runs_backward_is_not_a_rank(daemon: DaemonProcess, tmp_path: Path,
                                                                     context: str) -> None:
     """A spawn or forkserver worker imports torch afresh; one that runs autograd must not connect as the rank."""
-    script = tmp_path / "job.py"
-    script.write_text(GRADIENT_IN_WORKER_JOB)
-    result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", f"dlg-{context}", "--",
-         sys.executable, str(script), context],
-        cwd=REPO, env=daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"), capture_output=True,
-        text=True, timeout=180)
+    result = _run_job(GRADIENT_IN_WORKER_JOB, tmp_path, f"dlg-{context}",
+                      daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"), context)
     assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
     wait_for(lambda: [8.0] == list(
         select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dlg-{context}").values()))
@@ -119,21 +129,9 @@ def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(daem
     The agent reads them when it first connects, after the first steps: these ranks exit with their
     group still up, so even a connection first made at exit is made with the group initialised.
     """
-    script = tmp_path / "job.py"
-    script.write_text(SPAWNED_RANKS_JOB)
-    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1").items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", "spawned", "--",
-         sys.executable, str(script), str(tmp_path / "store")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    result = _run_job(SPAWNED_RANKS_JOB, tmp_path, "spawned", _spawned_env(daemon), str(tmp_path / "store"))
     assert (0, "") == (result.returncode, result.stderr)
-
-    def steps_by_rank() -> dict[str, float]:
-        steps = select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="spawned")
-        return {dict(k)["rank"]: v for k, v in steps.items()}
-
-    wait_for(lambda: {"0": 3.0, "1": 4.0} == steps_by_rank())
+    wait_for(lambda: {"0": 3.0, "1": 4.0} == _by_rank(daemon, "torchpulse_optimizer_steps_total", "spawned"))
     assert ["2"] == [dict(k)["world_size"] for k in select(daemon.scrape(), "torchpulse_run_info", run="spawned")]
 
 
@@ -194,18 +192,12 @@ def test_a_spawned_rank_that_connected_before_init_process_group_reconnects_as_i
         daemon: DaemonProcess, tmp_path: Path) -> None:
     """A spawned rank connects as rank 0 (no RANK, no group yet); once the group names it rank 1, it says
     goodbye as rank 0 (which then reads exited, not crashed) and connects again as rank 1 with all its totals."""
-    script = tmp_path / "job.py"
-    script.write_text(EARLY_STEP_SPAWNED_JOB)
-    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1", TORCHPULSE_FLUSH_INTERVAL="0.1").items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", "early", "--",
-         sys.executable, str(script), str(tmp_path / "store")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    result = _run_job(EARLY_STEP_SPAWNED_JOB, tmp_path, "early", _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.1"),
+                      str(tmp_path / "store"))
     assert (0, "") == (result.returncode, result.stderr)
 
     def by_rank(name: str) -> dict[str, float]:
-        return {dict(k)["rank"]: v for k, v in select(daemon.scrape(), name, run="early").items()}
+        return _by_rank(daemon, name, "early")
 
     wait_for(lambda: 4.0 == by_rank("torchpulse_optimizer_steps_total").get("1"))
     assert {"1": 1.0} == {r: v for r, v in by_rank("torchpulse_agent_exited").items() if r == "1"}

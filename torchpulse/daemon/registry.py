@@ -168,9 +168,13 @@ class Registry:
         if not gone:
             return False
         _, rank = min(gone)
-        state = run.ranks.pop(rank)
-        run.series -= state.series
+        Registry._drop_rank(run, rank)
         return True
+
+    @staticmethod
+    def _drop_rank(run: RunState, rank: int) -> None:
+        """Forget a disconnected rank and the series it held against its run's limit."""
+        run.series -= run.ranks.pop(rank).series
 
     @staticmethod
     def owns(run: RunState, state: RankState, connection: int) -> bool:
@@ -275,8 +279,7 @@ class Registry:
             for rank, state in list(run.ranks.items()):
                 if (state.exited and not state.connected and state.disconnected_at is not None
                         and now - state.disconnected_at >= self.grace_period):
-                    del run.ranks[rank]
-                    run.series -= state.series
+                    self._drop_rank(run, rank)
                     departed.append((run.name, rank))
         return expired, departed
 

@@ -34,17 +34,18 @@ class Identity:
 
     @property
     def rank(self) -> int:
-        if self.env_rank is not None:
-            return self.env_rank
-        distributed = self._from_torch_distributed()
-        return distributed[0] if distributed is not None else 0
+        return self._named(self.env_rank, 0, default=0)
 
     @property
     def world_size(self) -> int:
-        if self.env_world_size is not None:
-            return self.env_world_size
+        return self._named(self.env_world_size, 1, default=1)
+
+    def _named(self, by_launcher: int | None, index: int, default: int) -> int:
+        """The launcher's value, else torch.distributed's (rank, world size)[index], else `default`."""
+        if by_launcher is not None:
+            return by_launcher
         distributed = self._from_torch_distributed()
-        return distributed[1] if distributed is not None else 1
+        return distributed[index] if distributed is not None else default
 
     def _from_torch_distributed(self) -> tuple[int, int] | None:
         if not self._distributed:
