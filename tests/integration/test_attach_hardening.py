@@ -42,8 +42,9 @@ def _run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: 
 
 def _spawned_env(daemon: DaemonProcess, **extra: str) -> dict[str, str]:
     """The daemon's environment without launcher variables: ranks learn who they are from torch.distributed."""
-    return {k: v for k, v in daemon.env(OMP_NUM_THREADS="1", **extra).items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1").items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    return {**env, **extra}
 
 
 def _by_rank(daemon: DaemonProcess, name: str, run: str) -> dict[str, float]:
@@ -133,6 +134,17 @@ def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(daem
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: {"0": 3.0, "1": 4.0} == _by_rank(daemon, "torchpulse_optimizer_steps_total", "spawned"))
     assert ["2"] == [dict(k)["world_size"] for k in select(daemon.scrape(), "torchpulse_run_info", run="spawned")]
+
+
+def test_ranks_spawned_inside_one_slurm_task_report_their_own_rank(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """`srun` starts one task per node and the task spawns its ranks: they inherit SLURM_PROCID=0 and
+    SLURM_NTASKS=1, which name the task, not them. Once torch.distributed is initialised its rank wins."""
+    env = _spawned_env(daemon, SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_JOB_ID="4242")
+    result = _run_job(SPAWNED_RANKS_JOB, tmp_path, "slurm-spawned", env, str(tmp_path / "store"))
+    assert (0, "") == (result.returncode, result.stderr)
+    wait_for(lambda: {"0": 3.0, "1": 4.0} == _by_rank(daemon, "torchpulse_optimizer_steps_total", "slurm-spawned"))
+    info = select(daemon.scrape(), "torchpulse_run_info", run="slurm-spawned")
+    assert ["2"] == [dict(k)["world_size"] for k in info]
 
 
 def _without_resource_tracker_warnings(stderr: str) -> str:

@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Identity:
-    """Who this process is; `rank` and `world_size` not named by a launcher come from torch.distributed.
+    """Who this process is; `rank` and `world_size` come from torch.distributed once it is initialised.
 
-    A process started by `torch.multiprocessing.spawn` has no RANK in its environment: it learns
-    its rank from its own `init_process_group(rank=...)`, after the agent attached. The agent
-    first reads them when it connects, after the first step it saw; a rank that destroyed its
-    group before its agent could first connect (daemon down all along) reports rank 0.
+    Before that, from the launcher's variables. torch.distributed wins because a launcher names the
+    process it started, and that process may start the ranks itself: `torch.multiprocessing.spawn`
+    inside an `srun` or `mpirun` task gives every rank the task's SLURM_PROCID (and under no launcher
+    there is no RANK at all). A rank learns who it is from its own `init_process_group(rank=...)`,
+    after the agent attached. The agent first reads them when it connects, after the first step it
+    saw, and reconnects as the rank torch.distributed names if that differs; a rank that destroyed
+    its group before its agent could first connect (daemon down all along) keeps the launcher's
+    values, or rank 0.
     """
 
     run: str
-    # None where no launcher variable named it: read from torch.distributed once initialised.
+    # None where no launcher variable named it; torch.distributed, once initialised, overrides it.
     env_rank: int | None
     local_rank: int
     env_world_size: int | None
@@ -41,11 +45,12 @@ class Identity:
         return self._named(self.env_world_size, 1, default=1)
 
     def _named(self, by_launcher: int | None, index: int, default: int) -> int:
-        """The launcher's value, else torch.distributed's (rank, world size)[index], else `default`."""
-        if by_launcher is not None:
-            return by_launcher
+        """torch.distributed's (rank, world size)[index], else the launcher's value, else `default`."""
         distributed = self._from_torch_distributed()
-        return distributed[index] if distributed is not None else default
+        # A one-process group inside a job launched as several (a helper group of one rank) names no rank.
+        if distributed is not None and (distributed[1] > 1 or (self.env_world_size or 1) <= 1):
+            return distributed[index]
+        return by_launcher if by_launcher is not None else default
 
     def _from_torch_distributed(self) -> tuple[int, int] | None:
         if not self._distributed:
