@@ -47,6 +47,14 @@ def test_sigterm_stops_cleanly_and_a_stale_socket_is_replaced(tmp_path: Path) ->
         assert 0 == second.stop(signal.SIGTERM)
 
 
+def test_sigterm_removes_the_socket_file_it_bound(tmp_path: Path) -> None:
+    """A stopped daemon leaves no socket behind: agents see "no daemon" (ENOENT), not a dead socket."""
+    daemon = start_daemon(tmp_path)
+    assert daemon.socket_path.exists()
+    assert 0 == daemon.stop(signal.SIGTERM)
+    assert not daemon.socket_path.exists()
+
+
 def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
     """With `textfile` set the daemon writes a parseable .prom file for node_exporter, and removes it at stop."""
     prom = tmp_path / "torchpulse.prom"

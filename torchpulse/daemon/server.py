@@ -84,6 +84,8 @@ class AgentServer:
         self.status = status
         self.control = control
         self._server: asyncio.AbstractServer | None = None
+        # The socket file this daemon bound (not one systemd passed in), and its inode.
+        self._bound: tuple[Path, int] | None = None
         self._last_reject_log: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.max_connections = connection_limit()
@@ -99,6 +101,7 @@ class AgentServer:
             self._server = await asyncio.start_unix_server(self._serve, path=str(path))
             # Owner and group; systemd's socket unit sets its own mode instead.
             path.chmod(0o660)
+            self._bound = (path, path.lstat().st_ino)
         else:
             self._server = await asyncio.start_unix_server(self._serve, sock=sock)
 
@@ -109,6 +112,9 @@ class AgentServer:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._server.wait_closed()
+        if self._bound is not None:
+            _remove_own_socket(*self._bound)
+            self._bound = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -266,6 +272,18 @@ def raise_descriptor_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _remove_own_socket(path: Path, inode: int) -> None:
+    """Remove the socket file this daemon bound, unless something else replaced it since.
+
+    Python 3.11's unix servers leave it behind; a passed-in (socket-activated) one is
+    systemd's, which keeps listening on it to start the daemon again.
+    """
+    with contextlib.suppress(OSError):
+        st = path.lstat()
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:
+            path.unlink()
 
 
 def _prepare_socket_path(path: Path) -> None:
