@@ -147,6 +147,49 @@ def test_ranks_spawned_inside_one_slurm_task_report_their_own_rank(daemon: Daemo
     assert ["2"] == [dict(k)["world_size"] for k in info]
 
 
+PROCESS_ASYNC_SAVE_JOB = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if __name__ == "__main__":
+        out = sys.argv[1]
+        dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pending = None
+        for step in range(5):
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            if step in (1, 3):
+                if pending is not None:
+                    pending.result()
+                pending = dcp.async_save({"model": model.state_dict()}, checkpoint_id=f"{out}/ckpt-{step}",
+                                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        pending.result()
+        time.sleep(1.0)  # the background process lives on meanwhile: long enough for its agent to speak
+        dist.destroy_process_group()
+    """)
+
+
+def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(daemon: DaemonProcess,
+                                                                               tmp_path: Path) -> None:
+    """DCP's PROCESS checkpointer saves in a spawned background process that calls `save` itself.
+
+    Under `torchpulse run` that process gets an agent too; it must not announce the saves a second
+    time (nor, having nothing else to say, connect at all).
+    """
+    env = _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.05")
+    result = _run_job(PROCESS_ASYNC_SAVE_JOB, tmp_path, "process-save", env, str(tmp_path))
+    assert 0 == result.returncode, result.stderr
+    saved = {str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-3")}
+    wait_for(lambda: saved == {e.get("path") for e in daemon.log_lines() if e.get("event") == "checkpoint saved"})
+    counts = select(daemon.scrape(), "torchpulse_checkpoint_save_duration_seconds_count", run="process-save")
+    assert {(("api", "async_save"), ("rank", "0"), ("run", "process-save")): 2.0} == counts
+    connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected" and e.get("run") == "process-save"]
+    assert 1 == len(connected), connected
+
+
 def _without_resource_tracker_warnings(stderr: str) -> str:
     """stderr minus CPython's resource-tracker warnings about the job's own DataLoader queues.
 
