@@ -30,10 +30,12 @@ from torchpulse.protocol import (
     CommandResult,
     CtlReply,
     CtlRequest,
+    ErrorReply,
     Hello,
     LogEvent,
     Sample,
     StatusReply,
+    Welcome,
     decode_daemon_frame,
     encode,
 )
@@ -109,8 +111,9 @@ def test_a_log_field_named_self_is_logged_and_the_batch_kept(daemon: DaemonProce
 
 
 def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemon: DaemonProcess) -> None:
-    """A second hello of the same process (or a new process) for a rank owns it; the old socket is closed
-    by the daemon, its late frames change nothing, and its close does not mark the rank gone."""
+    """A second hello of the same process for a rank owns it; the old socket is closed by the daemon, its
+    late frames change nothing, and its close does not mark the rank gone. Another process claiming the
+    rank meanwhile is refused; once the rank's connection closes, it may have it."""
     old = _connect(daemon.socket_path, _hello("takeover", 0))
     _read_frame(old)
     old.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
@@ -131,16 +134,62 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
     wait_for(lambda: 9.0 == steps())
     assert [0] == _connected(daemon, "takeover")
     assert 1.0 == select(daemon.scrape(), "torchpulse_agent_up", run="takeover")[(("rank", "0"), ("run", "takeover"))]
-    # A restarted process (new pid) takes over the same way, and its run counts only its own series.
-    newer = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
-    _read_frame(newer)
-    assert b"" == new.recv(1024)
+    # Another process while the one that opened the rank's connection runs (this one): refused, nothing
+    # of the rank changes. Taking turns, the two would overwrite each other's totals.
+    other = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
+    refusal = _read_frame(other)
+    assert isinstance(refusal, ErrorReply) and "rank_taken" == refusal.code, refusal
+    assert "held by pid 4242" in refusal.message
+    other.close()
+    assert {"rank_taken": 1.0} == rejected_frames(daemon)
+    assert 9.0 == steps()
+    # Once that connection closed, a restarted process (new pid) has the rank, and its run counts only
+    # its own series.
     new.close()
+    wait_for(lambda: [] == _connected(daemon, "takeover"))
+    newer = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
+    assert isinstance(_read_frame(newer), Welcome)
     newer.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 2.0)], [], [])))
     wait_for(lambda: 2.0 == steps())
     assert [0] == _connected(daemon, "takeover")
     assert 1.0 == select(daemon.scrape(), "torchpulse_run_series", run="takeover")[(("run", "takeover"),)]
     newer.close()
+
+
+ORPHANED_CONNECTION = """
+import os, socket, sys, time
+from torchpulse.protocol import Hello, encode
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+sock.sendall(encode(Hello("orphaned", 0, 0, 1, os.getpid(), "h", "2.13.0", "0.1.0", "crashed", 0.0)))
+sock.recv(65536)  # the welcome
+child = os.fork()
+if child == 0:  # a forked worker inherits the socket and outlives the rank
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    time.sleep(120)
+    os._exit(0)
+print(os.getpid(), child, flush=True)
+"""
+
+
+def test_a_restarted_rank_takes_over_a_connection_that_only_a_forked_child_of_the_dead_one_holds(
+        daemon: DaemonProcess) -> None:
+    """The rank that opened the connection died, but a forked child (a DataLoader worker) keeps the socket
+    open: the daemon still sees a connection. The process behind it (SO_PEERCRED) is gone, so the restarted
+    rank is no second claimant: it takes the rank over at once."""
+    crashed = subprocess.run([sys.executable, "-c", ORPHANED_CONNECTION, str(daemon.socket_path)], cwd=REPO,
+                             capture_output=True, text=True, check=True, timeout=60)
+    dead_pid, orphan = map(int, crashed.stdout.split())
+    try:
+        assert [0] == _connected(daemon, "orphaned")
+        with _connect(daemon.socket_path, _hello("orphaned", 0, pid=dead_pid + 1)) as restarted:
+            assert isinstance(_read_frame(restarted), Welcome)
+            assert [0] == _connected(daemon, "orphaned")
+            assert {} == rejected_frames(daemon)
+    finally:
+        os.kill(orphan, 9)
 
 
 def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: DaemonProcess) -> None:

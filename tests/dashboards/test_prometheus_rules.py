@@ -22,6 +22,7 @@ REQUIRED_ALERTS = {
     "NoValidCheckpointRecently",
     "TorchpulseAgentDown",
     "TorchpulseEventsDropped",
+    "TorchpulseRankClaimedTwice",
     "TorchpulseCollectorFailing",
 }
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select, wait_for
+from tests.support import REPO, DaemonProcess, rejected_frames, select, wait_for
+from torchpulse.daemon.client import request_status
 
 JOB = textwrap.dedent("""
     import sys, torch
@@ -186,8 +187,49 @@ def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(d
     wait_for(lambda: saved == {e.get("path") for e in daemon.log_lines() if e.get("event") == "checkpoint saved"})
     counts = select(daemon.scrape(), "torchpulse_checkpoint_save_duration_seconds_count", run="process-save")
     assert {(("api", "async_save"), ("rank", "0"), ("run", "process-save")): 2.0} == counts
-    connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected" and e.get("run") == "process-save"]
+    connected = [e for e in daemon.log_lines()
+                 if e.get("event") == "agent connected" and e.get("run") == "process-save"]
     assert 1 == len(connected), connected
+
+
+STEPPING_JOB = textwrap.dedent("""
+    import os, sys, time, torch
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    deadline = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < deadline and not os.path.exists(sys.argv[2]):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        time.sleep(0.02)
+    """)
+
+
+def test_a_second_job_under_the_same_run_name_is_refused_its_rank_and_says_so_once(daemon: DaemonProcess,
+                                                                                 tmp_path: Path) -> None:
+    """Two jobs with one run name both report rank 0. The first keeps it; the second trains on, refused
+    (it retries), with one warning on its stderr however often it retried, and the rank's totals are the
+    first job's alone instead of alternating between the two."""
+    script = tmp_path / "job.py"
+    script.write_text(STEPPING_JOB)
+    stop = tmp_path / "stop"
+    env = daemon.env(OMP_NUM_THREADS="1", TORCHPULSE_FLUSH_INTERVAL="0.05", RANK="0", WORLD_SIZE="1")
+    command = [sys.executable, "-m", "torchpulse", "run", "--run-name", "shared", "--", sys.executable, str(script)]
+    first = subprocess.Popen([*command, "120", str(stop)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: bool(_by_rank(daemon, "torchpulse_optimizer_steps_total", "shared")), timeout=60)
+        second = subprocess.run([*command, "4", str(tmp_path / "never")], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert 0 == second.returncode, second.stderr
+        refusals = [line for line in second.stderr.splitlines() if "daemon refused this agent" in line]
+        assert 1 == len(refusals) and "rank_taken" in refusals[0], second.stderr
+        assert rejected_frames(daemon).get("rank_taken", 0) >= 2  # it did retry
+        holders = [r.pid for s in request_status(daemon.socket_path).runs if s.run == "shared" for r in s.ranks]
+        assert [first.pid] == holders  # `torchpulse run` execs the job: its pid is the first job's
+    finally:
+        stop.touch()
+        first.wait(60)
 
 
 def _without_resource_tracker_warnings(stderr: str) -> str:

@@ -8,6 +8,7 @@ the daemon's event loop thread; collectors read it on the same thread.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +34,24 @@ class Peer:
     uid: int
     gid: int
     groups: frozenset[int] = frozenset()
+
+
+def _still_running(peer: Peer | None) -> bool:
+    """Whether the process that opened a connection still exists (pid from SO_PEERCRED, in our namespace).
+
+    A connection outlives its process where a forked child inherited the socket (a DataLoader
+    worker of a crashed rank): then a restarted rank takes over. Unknown (no peer credentials,
+    a pid from another namespace): assume it runs.
+    """
+    if peer is None or peer.pid <= 0:
+        return True
+    try:
+        os.kill(peer.pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process, alive
+        return True
+    return True
 
 
 @dataclass
@@ -132,13 +151,20 @@ class Registry:
         if previous is None and len(run.ranks) >= self.max_ranks_per_run and not self._forget_a_rank(run):
             raise FrameError("too_many_ranks", f"run {hello.run!r} already has {self.max_ranks_per_run} "
                              "connected ranks here (runs.max_ranks_per_run); retrying")
+        same_process = previous is not None and (previous.hello.pid, previous.hello.host,
+                                                 previous.hello.started_at) == (hello.pid, hello.host, hello.started_at)
+        if previous is not None and previous.connected and not same_process and _still_running(previous.peer):
+            # Two live processes claim one rank: taking turns, they would overwrite each other's
+            # running totals (counters jumping back and forth). The first keeps it.
+            raise FrameError("rank_taken", f"rank {hello.rank} of run {hello.run!r} is held by pid "
+                             f"{previous.hello.pid} on {previous.hello.host!r}: two processes report as one rank "
+                             "(two jobs with one run name, or a wrong RANK); retrying")
         run.ended_at = None
         if previous is not None and previous.connected and previous.close is not None:
             # The older connection is dead or about to be: its frames must not
             # overwrite newer totals, nor its close mark the rank disconnected.
             previous.close()
-        if previous is not None and (previous.hello.pid, previous.hello.host, previous.hello.started_at) == (
-                hello.pid, hello.host, hello.started_at):
+        if previous is not None and same_process:
             # The same process reconnecting: keep what it told us so far. A pid reused on the same host
             # (a restarted container) is a new process: its started_at differs.
             previous.hello, previous.peer, previous.connected = hello, peer, True

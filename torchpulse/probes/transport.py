@@ -86,6 +86,7 @@ class Sender(threading.Thread):
         self.connected_once = False
         # (rank, world size) the daemon was told in the hello of the open connection.
         self._hello_identity: tuple[int, int] | None = None
+        self._refusals_warned: set[str] = set()
 
     # -- control from other threads ----------------------------------------
     def flush(self, timeout: float) -> bool:
@@ -224,7 +225,9 @@ class Sender(threading.Thread):
         if isinstance(reply, ErrorReply):
             sock.close()
             self._gave_up = reply.code == "version_mismatch"
-            log.warning("daemon refused this agent", code=reply.code, message=reply.message)
+            if reply.code not in self._refusals_warned:  # once per reason until connected: it retries for ever
+                self._refusals_warned.add(reply.code)
+                log.warning("daemon refused this agent", code=reply.code, message=reply.message)
             self._schedule_retry(path, None)
             return
         sock.settimeout(self.config.send_timeout)
@@ -236,6 +239,7 @@ class Sender(threading.Thread):
         if self._warned_unreachable:
             log.warning("reconnected to the daemon; counters continue from their running totals", socket=path)
         self._warned_unreachable = False
+        self._refusals_warned.clear()
         self.connected_once = True
 
     def _read_reply(self, sock: socket.socket) -> Welcome | ErrorReply:
