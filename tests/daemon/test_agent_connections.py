@@ -20,7 +20,7 @@ from tests.support import REPO, DaemonProcess, rejected_frames, select, start_da
 from torchpulse.daemon import server as server_module
 from torchpulse.daemon.client import request_status, send_ctl
 from torchpulse.daemon.control import ControlHub
-from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.protocol import (
     HEADER,
@@ -31,6 +31,7 @@ from torchpulse.protocol import (
     CtlReply,
     CtlRequest,
     ErrorReply,
+    Goodbye,
     Hello,
     LogEvent,
     Sample,
@@ -190,6 +191,25 @@ def test_a_restarted_rank_takes_over_a_connection_that_only_a_forked_child_of_th
             assert {} == rejected_frames(daemon)
     finally:
         os.kill(orphan, 9)
+
+
+def test_a_rank_given_up_with_a_goodbye_goes_to_another_process_while_its_connection_lingers(
+        daemon: DaemonProcess) -> None:
+    """A goodbye gives the rank up (an agent that learnt another rank from torch.distributed, a detach),
+    though its connection may outlive it: a forked child holding the socket, a close not read yet. Then
+    another process claiming the rank is no second claimant: it takes the rank over, not rank_taken."""
+    with _connect(daemon.socket_path, _hello("given-up", 0, os.getpid())) as leaving:
+        assert isinstance(_read_frame(leaving), Welcome)
+        leaving.sendall(encode(Goodbye("identity")))
+        wait_for(lambda: [(0, True)] == [(r.rank, r.exited) for s in request_status(daemon.socket_path).runs
+                                         if s.run == "given-up" for r in s.ranks])
+        with _connect(daemon.socket_path, _hello("given-up", 0, pid=4343)) as taker:
+            assert isinstance(_read_frame(taker), Welcome)
+            assert b"" == leaving.recv(1024)  # closed by the daemon at the takeover
+            assert [(0, 4343, True, False)] == [(r.rank, r.pid, r.connected, r.exited) for s in
+                                                request_status(daemon.socket_path).runs if s.run == "given-up"
+                                                for r in s.ranks]
+    assert {} == rejected_frames(daemon)
 
 
 def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: DaemonProcess) -> None:
@@ -370,3 +390,21 @@ def test_a_process_that_detaches_and_attaches_again_is_no_longer_exited() -> Non
     registry.disconnect(run, run.ranks[1], run.ranks[1].connection)
     assert ([], [("re", 1)]) == registry.prune(time.monotonic() + 60)
     assert [0] == list(run.ranks)
+
+
+def test_a_goodbye_gives_the_rank_up_to_another_live_process_with_the_old_series_forgotten() -> None:
+    """Registry alone: the rank's connection is still open after its goodbye and its process still runs,
+    yet another process's hello takes the rank over (the old connection is closed) with empty series."""
+    registry = Registry()
+    alive = Peer(os.getpid(), os.getuid(), os.getgid())
+    run, leaving = registry.connect(_hello("bye", 0, pid=100), alive)
+    closed: list[int] = []
+    leaving.close = lambda: closed.append(100)
+    registry.apply(run, leaving, Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 7.0)], [], []))
+    registry.goodbye(leaving)
+    _, taker = registry.connect(_hello("bye", 0, pid=200), alive)
+    assert taker is run.ranks[0] and taker is not leaving
+    assert (True, False, 200, {}, 0, [100]) == (taker.connected, taker.exited, taker.hello.pid, taker.values,
+                                                run.series, closed)
+    registry.disconnect(run, leaving, leaving.connection)  # the old connection's close changes nothing
+    assert (True, None, 1) == (taker.connected, run.ended_at, registry.connections)

@@ -153,9 +153,12 @@ class Registry:
                              "connected ranks here (runs.max_ranks_per_run); retrying")
         same_process = previous is not None and (previous.hello.pid, previous.hello.host,
                                                  previous.hello.started_at) == (hello.pid, hello.host, hello.started_at)
-        if previous is not None and previous.connected and not same_process and _still_running(previous.peer):
+        if (previous is not None and previous.connected and not previous.exited and not same_process
+                and _still_running(previous.peer)):
             # Two live processes claim one rank: taking turns, they would overwrite each other's
-            # running totals (counters jumping back and forth). The first keeps it.
+            # running totals (counters jumping back and forth). The first keeps it. One whose agent
+            # said goodbye gave the rank up, though its connection may outlive that (a forked child
+            # holding the socket, a close not read yet): it is no claimant.
             raise FrameError("rank_taken", f"rank {hello.rank} of run {hello.run!r} is held by pid "
                              f"{previous.hello.pid} on {previous.hello.host!r}: two processes report as one rank "
                              "(two jobs with one run name, or a wrong RANK); retrying")
