@@ -72,6 +72,10 @@ class Agent:
         else:
             self._buffer_drops += 1
 
+    def reports(self) -> bool:
+        """Whether this process connects to the daemon: a probe recorded something, drained or not yet."""
+        return self.active or bool(self._buffer) or bool(self._events)
+
     # -- sender-thread side -------------------------------------------------
     def emit(self, level: str, event: str, **fields: FieldValue) -> None:
         """Queue a structured event for the daemon's log (any thread)."""
@@ -153,8 +157,8 @@ class Agent:
         sender = self._sender
         return bool(sender.flush(timeout)) if sender is not None else False
 
-    def shutdown(self, timeout: float = 2.0) -> None:
-        """Stop the probes and send a last batch (bounded by `timeout`)."""
+    def shutdown(self, timeout: float = 2.0, goodbye: bool = True) -> None:
+        """Stop the probes and send a last batch (bounded by `timeout`), with a goodbye unless told not to."""
         with self._lock:
             sender, self._sender = self._sender, None
         for probe in list(self.probes.values()):
@@ -162,7 +166,7 @@ class Agent:
         self.probes.clear()
         self.control.uninstall(timeout)
         if sender is not None and os.getpid() == self.pid:
-            sender.stop(timeout)
+            sender.stop(timeout, goodbye)
         self.enabled = False
 
     def forget_after_fork(self) -> None:

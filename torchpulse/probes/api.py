@@ -8,6 +8,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from torchpulse.probes import exit_status
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.identity import current_identity
 from torchpulse.probes.logs import get_logger
@@ -80,6 +81,7 @@ def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | N
                 probe.install()
                 agent.probes[name] = probe
         agent.control.install()
+        exit_status.install()
         agent.start()
         _agent = agent
         if not _fork_hook_registered:
@@ -106,11 +108,16 @@ def _make_probe(name: str, agent: Agent) -> Probe | None:
 
 def detach() -> None:
     """Uninstall every probe, send the last batch and stop the agent thread."""
+    _detach(goodbye=True)
+
+
+def _detach(goodbye: bool) -> None:
     global _agent
     with _lock:
         agent, _agent = _agent, None
     if agent is not None:
-        agent.shutdown()
+        exit_status.uninstall()
+        agent.shutdown(goodbye=goodbye)
 
 
 def _after_fork_in_child() -> None:
@@ -118,6 +125,7 @@ def _after_fork_in_child() -> None:
     # Another thread may have held the lock at fork time; the child starts clean.
     _lock = threading.Lock()
     agent, _agent = _agent, None
+    exit_status.forget()
     if agent is not None:
         agent.forget_after_fork()
 
@@ -125,4 +133,9 @@ def _after_fork_in_child() -> None:
 def _at_exit() -> None:
     agent = _agent
     if agent is not None and agent.pid == os.getpid():
-        detach()
+        # A failing process sends its last values but no goodbye: the daemon shows the rank
+        # gone, not exited, and the down alert fires for it as for a killed one.
+        failure = exit_status.failure()
+        if failure is not None and agent.reports():  # an event would make a process that never trained connect
+            agent.emit("warning", "process exiting on failure", cause=failure)
+        _detach(goodbye=failure is None)

@@ -87,6 +87,7 @@ class Sender(threading.Thread):
         # (rank, world size) the daemon was told in the hello of the open connection.
         self._hello_identity: tuple[int, int] | None = None
         self._refusals_warned: set[str] = set()
+        self._goodbye = True
 
     # -- control from other threads ----------------------------------------
     def flush(self, timeout: float) -> bool:
@@ -104,7 +105,9 @@ class Sender(threading.Thread):
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.write(self._wake_w, b"!")
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, goodbye: bool = True) -> None:
+        """End the thread after a last cycle; `goodbye`: tell the daemon this is a normal exit or detach."""
+        self._goodbye = goodbye
         self._stop_event.set()
         self._next_attempt = 0.0
         self.wake()
@@ -190,7 +193,7 @@ class Sender(threading.Thread):
         if self._sock is not None and self._identity_changed():
             self._rehello()
         ok = self._sock is not None and self._send_changes() and self._read_incoming()
-        if final and self._sock is not None:
+        if final and self._goodbye and self._sock is not None:
             self._send_frame(encode(Goodbye("exit")))
         with self._flushed:
             self._completed_generation = generation

@@ -1,0 +1,88 @@
+"""How this process is ending: normally, or after an uncaught exception or a failing `sys.exit()`.
+
+At exit the agent says goodbye, and the daemon then shows the rank `exited` and no down
+alert fires, only when the process ends normally. CPython runs atexit handlers alike after
+a clean return, an uncaught exception and `sys.exit(1)`, and keeps the exit status to
+itself, so the two usual ways a Python job fails are noted as they happen:
+`sys.excepthook` sees an uncaught exception (a torchrun worker, a plain script), and
+`sys.exit` a failing status (`torch.multiprocessing.spawn` ranks call `sys.exit(1)` after
+an exception; scripts call it on errors). A KeyboardInterrupt is a deliberate stop, not a
+failure.
+
+Not seen: `raise SystemExit(1)` and `exit()`/`quit()`, which bypass `sys.exit`; a failing
+`sys.exit()` that the job catches and survives is still taken for a failure. `os._exit()`
+and signals skip atexit altogether: no goodbye, the rank reads as gone, as it should.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import TracebackType
+from typing import Any, Final
+
+MAX_CAUSE_CHARS: Final = 200
+
+_failure: str | None = None
+# (our excepthook, the one it chains to, our exit, the one it calls), while installed.
+_installed: tuple[Any, Any, Any, Any] | None = None
+
+
+def failure() -> str | None:
+    """Why the process is failing ("RuntimeError", "sys.exit(3)"), or None while nothing failed."""
+    return _failure
+
+
+def install() -> None:
+    """Wrap `sys.excepthook` and `sys.exit` (once; both still do what they did)."""
+    global _installed
+    if _installed is not None:
+        return
+    previous_hook = sys.excepthook
+    previous_exit: Any = sys.exit  # typed to take str | int | None: the job may pass any object
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(exc_type, KeyboardInterrupt):
+            _note(exc_type.__name__)
+        previous_hook(exc_type, exc, tb)
+
+    def exit(*status: object) -> Any:
+        # SystemExit in another thread ends only that thread; the process's status is the main thread's.
+        if status and _fails(status[0]) and threading.current_thread() is threading.main_thread():
+            _note(f"sys.exit({status[0]!r})")
+        return previous_exit(*status)
+
+    sys.excepthook, sys.exit = excepthook, exit
+    _installed = (excepthook, previous_hook, exit, previous_exit)
+
+
+def uninstall() -> None:
+    """Put back what `install` wrapped, unless someone wrapped it again since."""
+    global _installed
+    if _installed is None:
+        return
+    hook, previous_hook, exit, previous_exit = _installed
+    if sys.excepthook is hook:
+        sys.excepthook = previous_hook
+    if sys.exit is exit:
+        sys.exit = previous_exit
+    _installed = None
+
+
+def forget() -> None:
+    """In a forked child: its own life starts without the parent's failure."""
+    global _failure
+    _failure = None
+
+
+def _fails(status: object) -> bool:
+    # sys.exit(None) and sys.exit(0) succeed; any other int fails, and so does another object (printed,
+    # status 1). No `!=` on an arbitrary object: an array's would raise inside the job's sys.exit.
+    if status is None:
+        return False
+    return status != 0 if isinstance(status, int) else True
+
+
+def _note(cause: str) -> None:
+    global _failure
+    _failure = cause[:MAX_CAUSE_CHARS]
