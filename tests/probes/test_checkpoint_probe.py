@@ -241,6 +241,20 @@ def test_storage_writer_path_is_used_without_checkpoint_id(tmp_path: Path) -> No
     assert (str(tmp_path / "w"), None) == (checkpoint_path({"storage_writer": writer}), checkpoint_path({}))
 
 
+def test_a_storage_writer_passed_positionally_is_announced_and_named_in_failures(agent: Any, tmp_path: Path) -> None:
+    """torch 2.13 still takes the old `save(state_dict, storage_writer)` order (with a warning): the writer's path
+    is announced for validation, and a failed save of that form names its path too."""
+    with pytest.warns(UserWarning, match="argument order"):
+        dcp.save({"w": torch.ones(2)}, dcp.FileSystemWriter(tmp_path / "ck"), no_dist=True)
+    assert [(str(tmp_path / "ck"), "save")] == [(a["path"], a["api"]) for a in _announcements(agent)]
+    target = _under_a_regular_file(tmp_path)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.warns(UserWarning, match="argument order"), pytest.raises(CheckpointException):
+        dcp.save({"w": torch.ones(2)}, dcp.FileSystemWriter(target), no_dist=True)
+    assert [str(target)] == [fields["path"] for _, event, fields in _events(agent) if event == "checkpoint save failed"]
+
+
 def test_probe_patches_dcp_imported_after_it_without_importing_it() -> None:
     """Installed before the job imports DCP, the probe neither imports it nor misses it."""
     code = (
@@ -285,3 +299,47 @@ def test_rank_0_of_the_saving_subgroup_asks_for_validation(tmp_path: Path) -> No
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert ["", "[True]"] == [out.strip() for out, _ in outputs], [err[-2000:] for _, err in outputs]
+
+
+NO_DIST_RANK = """
+import sys, torch, torch.distributed as dist
+from tests.support import local_agent
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+agent = local_agent(("checkpoint",))
+import torch.distributed.checkpoint as dcp
+dcp.save({"w": torch.ones(2)}, checkpoint_id=f"{out}/rank{rank}/ck", no_dist=True)
+agent.drain()
+saved = [e.fields for e in agent.take_events(100) if e.event == "checkpoint saved"]
+print([(fields["path"][len(out):], fields["validate"]) for fields in saved])
+agent.shutdown()
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_asks_for_validation_of_its_own_no_dist_save(tmp_path: Path) -> None:
+    """A `no_dist=True` save is a whole checkpoint of this process alone (it writes its own `.metadata`): rank 1's
+    lands where rank 0 never announces, so rank 1 asks for its validation too."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NO_DIST_RANK, str(r), str(tmp_path / "store"), str(tmp_path)],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})  # as torchrun sets them
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [f"[('/rank{r}/ck', True)]" for r in range(2)] == [out.strip() for out, _ in outputs], [
+        err[-2000:] for _, err in outputs]
+
+
+def test_a_save_without_a_process_group_is_validated_on_any_rank(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """No process group (an srun task array, a job that never calls init_process_group): DCP saves as a single
+    process, whatever RANK says, so the save is this process's own checkpoint and asks for validation."""
+    monkeypatch.setenv("RANK", "3")
+    agent: Any = local_agent(("checkpoint",))
+    try:
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck")
+        assert [(str(tmp_path / "ck"), True)] == [(a["path"], a["validate"]) for a in _announcements(agent)]
+    finally:
+        agent.shutdown()

@@ -1,6 +1,7 @@
 """Checkpoint probe: time `torch.distributed.checkpoint.save`/`async_save`, announce the path, count failures.
 
-The daemon validates what rank 0 announces (one node per checkpoint) and
+The daemon validates what rank 0 of the saving process group announces (one
+node per checkpoint; a process saving without one announces its own) and
 watches the checkpoint's parent directory from then on. The save itself is
 untouched: same arguments, same return value, its exceptions propagate.
 
@@ -70,15 +71,29 @@ def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
     return text if "://" in text else os.path.normpath(Path(text).absolute())
 
 
-def is_coordinator(kwargs: dict[str, Any], global_rank: int) -> bool:
+def call_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The save's arguments by name: `kwargs`, plus a `storage_writer` passed second.
+
+    torch's `_api_bc_check` still accepts the pre-2.2 order `save(state_dict, storage_writer)`
+    (with a warning): without this, such a save would be announced with no path, so never validated.
+    """
+    if len(args) == 2 and "storage_writer" not in kwargs:
+        return {**kwargs, "storage_writer": args[1]}
+    return kwargs
+
+
+def is_coordinator(kwargs: dict[str, Any]) -> bool:
     """True where torch writes the checkpoint's `.metadata`: rank 0 of the save's process group.
 
-    A save on a subgroup that leaves out global rank 0 is otherwise validated by no one.
+    A save on a subgroup that leaves out global rank 0 is otherwise validated by no one. Without a
+    process group (`no_dist`, or none initialized) DCP saves this process's checkpoint alone and
+    writes its `.metadata` whatever RANK says: rank-local saves and srun task arrays land where
+    rank 0 never announces, so each process asks for its own.
     """
     import torch.distributed as dist
 
     if kwargs.get("no_dist") or not (dist.is_available() and dist.is_initialized()):
-        return global_rank == 0
+        return True
     return bool(dist.get_rank(kwargs.get("process_group")) == 0)
 
 
@@ -177,9 +192,9 @@ class CheckpointProbe(Probe):
             try:
                 result = original(*args, **kwargs)
             except failures as exc:
-                failed(api, kwargs, started, exc)
+                failed(api, call_arguments(args, kwargs), started, exc)
                 raise  # the very same object; a KeyboardInterrupt or SystemExit never comes here
-            announce(api, kwargs, started, result)
+            announce(api, call_arguments(args, kwargs), started, result)
             return result
 
         wrapper.__torchpulse_original__ = original  # type: ignore[attr-defined]
@@ -187,7 +202,7 @@ class CheckpointProbe(Probe):
 
     def _announce(self, api: str, kwargs: dict[str, Any], started: float, result: Any) -> None:
         path = checkpoint_path(kwargs)
-        validate = is_coordinator(kwargs, self.agent.identity.rank)
+        validate = is_coordinator(kwargs)
         if api == "save":
             self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
             return
