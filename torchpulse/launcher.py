@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -15,6 +16,14 @@ from torchpulse.probes.identity import generate_run_name
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "bootstrap"
 SHELL = "/bin/sh"
+# python, python3, python3.11, python3.13t: interpreters whose options `launch` reads.
+PYTHON_NAME = re.compile(r"python[0-9.]*t?")
+# Options that keep the bootstrap from loading: the job runs, silently without an agent.
+BOOTSTRAP_OFF = {
+    "I": "isolated mode (-I) ignores PYTHONPATH",
+    "E": "-E ignores PYTHONPATH",
+    "S": "-S skips the site module, which loads the bootstrap",
+}
 
 
 def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None,
@@ -46,6 +55,9 @@ def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | Non
         print("usage: torchpulse run [--socket PATH] [--run-name NAME] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     env = launch_env(os.environ, socket, run_name, probes)
+    for flag in sorted(python_flags(cmd) & BOOTSTRAP_OFF.keys()):
+        # The job must still run as asked; say why it will get no agent, or it just looks untracked.
+        print(f"torchpulse: warning: the agent will not attach: {BOOTSTRAP_OFF[flag]}", file=sys.stderr)
     _restore_signals()
     try:
         try:
@@ -64,6 +76,32 @@ def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | Non
         # The shell's convention: 127 not found, 126 found but not executable.
         return 127 if exc.errno == errno.ENOENT else 126
     return 0  # not reached: exec replaced this process
+
+
+def python_flags(cmd: Sequence[str]) -> set[str]:
+    """The one-letter options of a `python ...` command before its script, `-c` or `-m` (`-IS` is I and S).
+
+    Empty for any other command; what follows the script or `-c`/`-m` belongs to the job, not Python.
+    """
+    flags: set[str] = set()
+    if not cmd or not PYTHON_NAME.fullmatch(Path(cmd[0]).name):
+        return flags
+    args = iter(cmd[1:])
+    for arg in args:
+        if arg == "--check-hash-based-pycs":
+            next(args, None)
+            continue
+        if not arg.startswith("-") or arg == "-" or arg.startswith("--"):
+            break
+        for i, char in enumerate(arg[1:], 1):
+            if char in "cm":
+                return flags
+            if char in "WX":  # takes a value: the rest of this word, else the next one
+                if i == len(arg) - 1:
+                    next(args, None)
+                break
+            flags.add(char)
+    return flags
 
 
 def _restore_signals() -> None:
