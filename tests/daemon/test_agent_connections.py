@@ -408,3 +408,16 @@ def test_a_goodbye_gives_the_rank_up_to_another_live_process_with_the_old_series
                                                 run.series, closed)
     registry.disconnect(run, leaving, leaving.connection)  # the old connection's close changes nothing
     assert (True, None, 1) == (taker.connected, run.ended_at, registry.connections)
+
+
+def test_making_room_for_a_rank_forgets_an_exited_rank_before_a_crashed_one() -> None:
+    """At max_ranks_per_run a new rank drops a disconnected one: an exited rank, even a more recent one,
+    goes before a crashed rank, whose agent_up 0 is what the down alert is firing on."""
+    registry = Registry(max_ranks_per_run=2)
+    run, crashed = registry.connect(_hello("room", 0, 1), None)
+    registry.disconnect(run, crashed, crashed.connection)  # no goodbye: down
+    _, finished = registry.connect(_hello("room", 1, 2), None)
+    registry.goodbye(finished)
+    registry.disconnect(run, finished, finished.connection)
+    registry.connect(_hello("room", 2, 3), None)
+    assert [0, 2] == sorted(run.ranks)

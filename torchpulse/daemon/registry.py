@@ -193,10 +193,11 @@ class Registry:
 
     @staticmethod
     def _forget_a_rank(run: RunState) -> bool:
-        gone = [(state.last_seen, rank) for rank, state in run.ranks.items() if not state.connected]
+        # Exited ranks first: a crashed one dropped here would silently end its down alert.
+        gone = [(not state.exited, state.last_seen, rank) for rank, state in run.ranks.items() if not state.connected]
         if not gone:
             return False
-        _, rank = min(gone)
+        *_, rank = min(gone)
         Registry._drop_rank(run, rank)
         return True
 
