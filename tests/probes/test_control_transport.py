@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import select
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from tests.support import local_agent
 from torchpulse.framing import FrameReader
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.transport import Sender
-from torchpulse.protocol import Command, CommandResult, decode_agent_frame, encode
+from torchpulse.protocol import Command, CommandResult, Goodbye, decode_agent_frame, encode
 
 
 @pytest.fixture
@@ -108,3 +109,21 @@ def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
         flood.wait(30)
         for thread in (draining, reading):
             thread.join(10)
+
+
+@pytest.mark.parametrize(("was", "goodbye"), [((1, 2), False), ((0, 2), True)])
+def test_a_reconnect_for_a_new_world_size_keeps_the_rank_and_one_for_a_new_rank_gives_it_up(
+        wired: tuple[Agent, Sender, socket.socket], monkeypatch: pytest.MonkeyPatch, was: tuple[int, int],
+        goodbye: bool) -> None:
+    """Reconnecting as what torch.distributed names: a goodbye only when the rank changed. For the world size
+    alone it would give the rank up for a moment, to any other process claiming it."""
+    agent, sender, daemon_end = wired
+    monkeypatch.setattr(agent, "identity", dataclasses.replace(agent.identity, env_rank=1, env_world_size=4))
+    monkeypatch.setattr(sender, "_connect", lambda: None)
+    sender._hello_identity = was
+    sender._rehello()
+    received = b""
+    while chunk := daemon_end.recv(65536):  # until the sender closed its end to reconnect
+        received += chunk
+    frames = [decode_agent_frame(body) for body in FrameReader().feed(received)]
+    assert ([Goodbye("identity")] if goodbye else []) == frames

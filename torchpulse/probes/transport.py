@@ -299,12 +299,15 @@ class Sender(threading.Thread):
     def _rehello(self) -> None:
         """Connected before torch.distributed named this process's rank: say goodbye and connect as that rank.
 
-        The goodbye keeps the rank it spoke for from looking crashed (see Registry.goodbye).
+        The goodbye keeps the rank it spoke for from looking crashed (see Registry.goodbye). Only the
+        world size changed: no goodbye, which would give the rank up for a moment; the new hello of
+        this same process takes its rank over.
         """
         ident = self.agent.identity
         log.info("rank learned from torch.distributed; reconnecting as it", rank=ident.rank,
                  world_size=ident.world_size, was=self._hello_identity)
-        self._send_frame(encode(Goodbye("identity")))
+        if self._hello_identity is None or ident.rank != self._hello_identity[0]:
+            self._send_frame(encode(Goodbye("identity")))
         self._close()
         self._connect()  # which sends every running total again, now under the new rank
 
