@@ -55,4 +55,7 @@ def test_only_a_normal_end_says_goodbye(daemon: DaemonProcess, tmp_path: Path, h
     assert {key: exited} == select(daemon.scrape(), "torchpulse_agent_exited", run=run)
     failing = [e.get("cause") for e in daemon.log_lines()
                if e.get("event") == "process exiting on failure" and e.get("run") == run]
+    disconnected = [(e.get("level"), e.get("said_goodbye")) for e in daemon.log_lines()
+                    if e.get("event") == "agent disconnected" and e.get("run") == run]
+    assert [("info", True) if exited else ("warning", False)] == disconnected
     assert ([] if cause is None else [cause]) == failing, [e.get("event") for e in daemon.log_lines()]

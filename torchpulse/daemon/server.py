@@ -180,9 +180,14 @@ class AgentServer:
         finally:
             if registered is not None:
                 run, rank = registered
+                owned = self.registry.owns(run, rank, connection)
                 self.registry.disconnect(run, rank, connection)
                 self.control.disconnected(connection)
-                log.info("agent disconnected", run=run.name, rank=rank.hello.rank)
+                # Without a goodbye the process crashed, failed, was killed or hangs: the journal says so
+                # at the level an operator looks at (a connection a newer hello took over is no news).
+                crashed = owned and not rank.exited
+                (log.warning if crashed else log.info)("agent disconnected", run=run.name, rank=rank.hello.rank,
+                                                       pid=rank.hello.pid, said_goodbye=rank.exited)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
