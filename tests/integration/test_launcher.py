@@ -169,3 +169,18 @@ def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_
     code = "import sys; print(sum(type(f).__name__ == '_AttachAfterTorch' for f in sys.meta_path))"
     result = _run(sys.executable, "-c", code, env=env)
     assert (0, "1\n", "user sitecustomize\n") == (result.returncode, result.stdout, result.stderr)
+
+
+def test_the_children_that_get_no_agent_are_named_by_the_modules_torch_defines_them_in() -> None:
+    """The bootstrap skips a multiprocessing child by its target's module: torch moving DataLoader's worker
+    loop or DCP's saver process elsewhere would give those children an agent again."""
+    import ast
+
+    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+    from torch.utils.data._utils.worker import _worker_loop
+
+    source = (BOOTSTRAP_DIR / "sitecustomize.py").read_text()
+    (skipped,) = [ast.literal_eval(node.value) for node in ast.parse(source).body if isinstance(node, ast.Assign)
+                  and [getattr(t, "id", None) for t in node.targets] == ["NON_TRAINING_TARGET_MODULES"]]
+    for target in (_worker_loop, _AsyncCheckpointProcess._checkpointing_subprocess):
+        assert target.__module__ in skipped

@@ -66,6 +66,16 @@ def _attach_now() -> None:
         sys.stderr.write(f"torchpulse: agent not attached: {exc!r}\n")
 
 
+# Modules whose functions, as a multiprocessing child's target, never train: the child gets no agent
+# (it would never connect, but would carry the hooks and a thread). DataLoader workers (torch's, and
+# torchdata's StatefulDataLoader), and the saver process of DCP's process-based async_save.
+NON_TRAINING_TARGET_MODULES = (
+    "torch.utils.data._utils.worker",
+    "torchdata.stateful_dataloader.worker",
+    "torch.distributed.checkpoint._async_process_executor",
+)
+
+
 def _starting_multiprocessing_child() -> bool:
     """True in a spawn or forkserver child that imports torch while it unpickles its main module or target.
 
@@ -92,8 +102,8 @@ def _attach_when_started() -> bool:
     def bootstrap_then_attach(self: "Any", *args: "Any", **kwargs: "Any") -> "Any":
         BaseProcess._bootstrap = original  # type: ignore[attr-defined]
         target = getattr(self, "_target", None)
-        # A DataLoader worker never trains: like a forked one, it gets no agent.
-        if getattr(target, "__module__", None) != "torch.utils.data._utils.worker":
+        # A DataLoader worker never trains: like a forked one, it gets no agent; nor DCP's saver process.
+        if getattr(target, "__module__", None) not in NON_TRAINING_TARGET_MODULES:
             _attach_now()
         return original(self, *args, **kwargs)
 
