@@ -241,6 +241,13 @@ def test_storage_writer_path_is_used_without_checkpoint_id(tmp_path: Path) -> No
     assert (str(tmp_path / "w"), None) == (checkpoint_path({"storage_writer": writer}), checkpoint_path({}))
 
 
+def test_a_local_fsspec_url_is_a_path_to_validate_and_a_remote_one_stays_a_url() -> None:
+    assert "/ck/step 10" == checkpoint_path({"checkpoint_id": "file:///ck/step%2010"})
+    assert "/ck/a" == checkpoint_path({"checkpoint_id": "file://localhost/ck/a/"})
+    assert "s3://bucket/ck" == checkpoint_path({"checkpoint_id": "s3://bucket/ck"})
+    assert "file://otherhost/ck" == checkpoint_path({"checkpoint_id": "file://otherhost/ck"})
+
+
 def test_a_storage_writer_passed_positionally_is_announced_and_named_in_failures(agent: Any, tmp_path: Path) -> None:
     """torch 2.13 still takes the old `save(state_dict, storage_writer)` order (with a warning): the writer's path
     is announced for validation, and a failed save of that form names its path too."""

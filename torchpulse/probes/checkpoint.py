@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import traceback
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -67,7 +68,12 @@ def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
     if target is None:
         return None
     text = os.fspath(target) if isinstance(target, str | os.PathLike) else str(target)
-    # A URL (s3://, fsspec) stays as it is; the daemon ignores what is not a local path.
+    if text.startswith("file://"):
+        # fsspec's local files: a path the daemon can validate like any other.
+        parsed = urllib.parse.urlsplit(text)
+        if parsed.netloc in ("", "localhost"):
+            text = urllib.parse.unquote(parsed.path)
+    # Another URL (s3://, gs://) stays as it is; the daemon ignores what is not a local path.
     return text if "://" in text else os.path.normpath(Path(text).absolute())
 
 
