@@ -191,3 +191,13 @@ def rejected_frames(daemon: DaemonProcess) -> dict[str, float]:
     """Non-zero `torchpulse_daemon_frames_rejected_total` by reason."""
     samples = select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total")
     return {dict(k)["reason"]: v for k, v in samples.items() if v}
+
+
+def run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: str
+            ) -> subprocess.CompletedProcess[str]:
+    """`torchpulse run --run-name RUN -- python job.py ARGS` for a job script with `source`."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, rejected_frames, select, wait_for
+from tests.support import REPO, DaemonProcess, rejected_frames, run_job, select, wait_for
 from torchpulse.daemon.client import request_status
 
 JOB = textwrap.dedent("""
@@ -31,16 +31,6 @@ JOB = textwrap.dedent("""
     """)
 
 
-def _run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: str
-             ) -> subprocess.CompletedProcess[str]:
-    """`torchpulse run --run-name RUN -- python job.py ARGS` for a job script with `source`."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    return subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-
-
 def _spawned_env(daemon: DaemonProcess, **extra: str) -> dict[str, str]:
     """The daemon's environment without launcher variables: ranks learn who they are from torch.distributed."""
     env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1").items()
@@ -55,7 +45,7 @@ def _by_rank(daemon: DaemonProcess, name: str, run: str) -> dict[str, float]:
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_dataloader_workers_never_become_ranks(daemon: DaemonProcess, tmp_path: Path, context: str) -> None:
     """Under `torchpulse run` only the training process connects; fork and spawn workers do not."""
-    result = _run_job(JOB, tmp_path, f"dl-{context}", daemon.env(), context)
+    result = run_job(JOB, tmp_path, f"dl-{context}", daemon.env(), context)
     assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
     connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected"]
     assert 1 == len(connected)
@@ -98,7 +88,7 @@ GRADIENT_IN_WORKER_JOB = textwrap.dedent("""
 def test_a_started_dataloader_worker_that_runs_backward_is_not_a_rank(daemon: DaemonProcess, tmp_path: Path,
                                                                     context: str) -> None:
     """A spawn or forkserver worker imports torch afresh; one that runs autograd must not connect as the rank."""
-    result = _run_job(GRADIENT_IN_WORKER_JOB, tmp_path, f"dlg-{context}",
+    result = run_job(GRADIENT_IN_WORKER_JOB, tmp_path, f"dlg-{context}",
                       daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"), context)
     assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
     wait_for(lambda: [8.0] == list(
@@ -131,7 +121,7 @@ def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(daem
     The agent reads them when it first connects, after the first steps: these ranks exit with their
     group still up, so even a connection first made at exit is made with the group initialised.
     """
-    result = _run_job(SPAWNED_RANKS_JOB, tmp_path, "spawned", _spawned_env(daemon), str(tmp_path / "store"))
+    result = run_job(SPAWNED_RANKS_JOB, tmp_path, "spawned", _spawned_env(daemon), str(tmp_path / "store"))
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: {"0": 3.0, "1": 4.0} == _by_rank(daemon, "torchpulse_optimizer_steps_total", "spawned"))
     assert ["2"] == [dict(k)["world_size"] for k in select(daemon.scrape(), "torchpulse_run_info", run="spawned")]
@@ -141,7 +131,7 @@ def test_ranks_spawned_inside_one_slurm_task_report_their_own_rank(daemon: Daemo
     """`srun` starts one task per node and the task spawns its ranks: they inherit SLURM_PROCID=0 and
     SLURM_NTASKS=1, which name the task, not them. Once torch.distributed is initialised its rank wins."""
     env = _spawned_env(daemon, SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_JOB_ID="4242")
-    result = _run_job(SPAWNED_RANKS_JOB, tmp_path, "slurm-spawned", env, str(tmp_path / "store"))
+    result = run_job(SPAWNED_RANKS_JOB, tmp_path, "slurm-spawned", env, str(tmp_path / "store"))
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: {"0": 3.0, "1": 4.0} == _by_rank(daemon, "torchpulse_optimizer_steps_total", "slurm-spawned"))
     info = select(daemon.scrape(), "torchpulse_run_info", run="slurm-spawned")
@@ -181,7 +171,7 @@ def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(d
     time (nor, having nothing else to say, connect at all).
     """
     env = _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.05")
-    result = _run_job(PROCESS_ASYNC_SAVE_JOB, tmp_path, "process-save", env, str(tmp_path))
+    result = run_job(PROCESS_ASYNC_SAVE_JOB, tmp_path, "process-save", env, str(tmp_path))
     assert 0 == result.returncode, result.stderr
     saved = {str(tmp_path / "ckpt-1"), str(tmp_path / "ckpt-3")}
     wait_for(lambda: saved == {e.get("path") for e in daemon.log_lines() if e.get("event") == "checkpoint saved"})
@@ -289,7 +279,7 @@ def test_a_spawned_rank_that_connected_before_init_process_group_reconnects_as_i
         daemon: DaemonProcess, tmp_path: Path) -> None:
     """A spawned rank connects as rank 0 (no RANK, no group yet); once the group names it rank 1, it says
     goodbye as rank 0 (which then reads exited, not crashed) and connects again as rank 1 with all its totals."""
-    result = _run_job(EARLY_STEP_SPAWNED_JOB, tmp_path, "early", _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.1"),
+    result = run_job(EARLY_STEP_SPAWNED_JOB, tmp_path, "early", _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.1"),
                       str(tmp_path / "store"))
     assert (0, "") == (result.returncode, result.stderr)
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select, wait_for
+from tests.support import DaemonProcess, run_job, select, wait_for
 
 JOB = textwrap.dedent("""
     import sys, torch
@@ -38,13 +36,9 @@ JOB = textwrap.dedent("""
 ])
 def test_only_a_normal_end_says_goodbye(daemon: DaemonProcess, tmp_path: Path, how: str, code: int,
                                         exited: float, cause: str | None) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
     run = f"end-{how}"
-    result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), how],
-        cwd=REPO, env=daemon.env(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"),
-        capture_output=True, text=True, timeout=120)
+    env = daemon.env(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05")
+    result = run_job(JOB, tmp_path, run, env, how)
     assert code == result.returncode, result.stderr
     key = (("rank", "0"), ("run", run))
     # The daemon logs the agent's last events before its disconnection.

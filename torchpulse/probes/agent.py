@@ -89,8 +89,7 @@ class Agent:
 
     def drain(self) -> None:
         """Fold every queued record into the store (sender thread only)."""
-        if self._buffer or self._events:
-            self.active = True
+        self.active = self.reports()
         self._drain(self._quiet)
         self._drain(self._buffer)
         self._sync_drop_counters()
