@@ -91,3 +91,14 @@ def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tm
     assert lines[0].startswith(f"torchpulse: invalid configuration: daemon.socket: '{socket_dir}/agent.sock': the path"
                                f" is {len(str(socket_dir)) + 11} bytes long; a Unix socket path may have at most 107 "
                                "bytes (108 with the terminating NUL)")
+
+
+def test_a_bad_checkpoints_section_names_the_file_like_the_other_sections(tmp_path: Path) -> None:
+    """`[checkpoints]` is parsed after the file is read, by its owner; its errors still say which file."""
+    path = tmp_path / "bad.toml"
+    path.write_text('[checkpoints]\nroots = ["relative/dir"]\n')
+    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert 2 == result.returncode
+    assert [f"torchpulse: invalid configuration: {path}: checkpoints.roots: 'relative/dir' is not an absolute path"
+            ] == result.stderr.strip().splitlines()

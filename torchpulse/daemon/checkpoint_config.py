@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from torchpulse.daemon.config import Config, ConfigError
+from torchpulse.daemon.config import Config, ConfigError, in_file
 
 OBSERVERS: Final = ("auto", "inotify", "polling")
 LEVELS: Final = ("metadata", "data", "load")
@@ -126,4 +126,8 @@ def parse(table: Mapping[str, Any]) -> CheckpointsConfig:
 
 
 def from_config(config: Config) -> CheckpointsConfig:
-    return parse(config.extra.get("checkpoints", {}))
+    """The parsed `[checkpoints]` section; its errors name the config file, as the others do."""
+    try:
+        return parse(config.extra.get("checkpoints", {}))
+    except ConfigError as exc:
+        raise in_file(config.source, exc) from None

@@ -76,6 +76,8 @@ class Config:
     runs: RunsSection = field(default_factory=RunsSection)
     # Sections of later features are kept as raw tables until their owners parse them.
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The file these values came from: the owners of `extra` name it in their errors too.
+    source: Path | None = None
 
 
 KNOWN_EXTRA_SECTIONS = ("checkpoints",)
@@ -151,9 +153,14 @@ def load(path: Path | None) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     try:
-        return from_mapping(data)
+        return dataclasses.replace(from_mapping(data), source=path)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise in_file(path, exc) from None
+
+
+def in_file(path: Path | None, error: ConfigError) -> ConfigError:
+    """`error` prefixed with the file it is about (unchanged for the embedded defaults)."""
+    return error if path is None else ConfigError(f"{path}: {error}")
 
 
 @dataclass(frozen=True)
