@@ -102,10 +102,14 @@ def measure(optimizer: Optimizer) -> Sizes:
     state_bytes = 0
     for state in optimizer.state.values():
         for value in state.values():
-            if isinstance(value, torch.Tensor):
-                # DTensor: count the local shard, which is what this rank holds.
-                local = getattr(value, "_local_tensor", value)
-                state_bytes += local.numel() * local.element_size()
+            # LBFGS keeps its history (old_dirs, old_stps: history_size flat copies of every
+            # parameter, most of its state) as lists of tensors.
+            values = value if isinstance(value, list | tuple) else (value,)
+            for item in values:
+                if isinstance(item, torch.Tensor):
+                    # DTensor: count the local shard, which is what this rank holds.
+                    local = getattr(item, "_local_tensor", item)
+                    state_bytes += local.numel() * local.element_size()
     return params, elements, state_bytes
 
 
