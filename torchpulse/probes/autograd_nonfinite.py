@@ -56,7 +56,9 @@ class GradCheck:
 
     def __init__(self, max_pending: int) -> None:
         self._refs: list[ParamRef] = []
-        self._known: set[int] = set()
+        # id -> the reference tracking it: a dead parameter's id is soon reused (a rebuilt model's
+        # parameter often gets the very address), so an id alone would skip the new parameter.
+        self._known: dict[int, ParamRef] = {}
         self._pending: deque[_Pending] = deque()
         self._max_pending = max_pending
         self.dropped = 0
@@ -71,12 +73,14 @@ class GradCheck:
     def track(self, param: torch.Tensor) -> None:
         """Remember a parameter seen as an AccumulateGrad variable (weakly: models come and go)."""
         key = id(param)
-        if key not in self._known:
-            self._known.add(key)
+        known = self._known.get(key)
+        if known is None or known() is not param:
             # Only parameters: inputs that require grad die every step and would make
             # every pass a graph search.
             lost = self._on_lost if isinstance(param, torch.nn.Parameter) else None
-            self._refs.append(weakref.ref(param, lost))
+            ref = weakref.ref(param, lost)
+            self._known[key] = ref
+            self._refs.append(ref)
 
     def _on_lost(self, _ref: ParamRef) -> None:
         self.lost = True
@@ -85,13 +89,13 @@ class GradCheck:
         """Queue the fused norm reduction for every known parameter that has a gradient."""
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
         alive: list[ParamRef] = []
-        alive_ids: set[int] = set()
+        alive_ids: dict[int, ParamRef] = {}
         for ref in self._refs:
             param = ref()
             if param is None:
                 continue
             alive.append(ref)
-            alive_ids.add(id(param))
+            alive_ids[id(param)] = ref
             grad = param.grad
             if grad is None:
                 continue
@@ -135,7 +139,7 @@ class GradCheck:
 
     def clear(self) -> None:
         self._refs = []
-        self._known = set()
+        self._known = {}
         self._pending.clear()
         self.lost = False
 

@@ -1,0 +1,338 @@
+"""Real training patterns against the probes: closures, accumulation, AMP, checkpointing, GANs, rebuilds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tests.probes.autograd_support import events, node_values, passes
+from tests.support import local_agent
+from torchpulse.probes.optimizer import measure
+
+
+@contextmanager
+def training_agent(**options: str) -> Iterator[Any]:
+    """A local agent with the autograd and optimizer probes, as a job gets by default."""
+    agent: Any = local_agent(("autograd", "optimizer"),
+                             options={f"autograd_{k}": v for k, v in options.items()})
+    try:
+        yield agent
+    finally:
+        agent.shutdown()
+
+
+def mlp(inputs: int = 4, hidden: int = 8, outputs: int = 1) -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(inputs, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, outputs))
+
+
+def nonfinite(params: Any) -> int:
+    """Ground truth: parameters whose gradient holds NaN or Inf right now."""
+    return sum(1 for p in params if p.grad is not None and not torch.isfinite(p.grad).all())
+
+
+def value(agent: Any, name: str, *labels: str) -> float | None:
+    agent.drain()
+    result: float | None = agent.store.value(name, labels)
+    return result
+
+
+def lbfgs_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Every tensor LBFGS holds in its state, the history lists included."""
+    total = 0
+    for state in optimizer.state.values():
+        for item in state.values():
+            for tensor in item if isinstance(item, list) else [item]:
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
+    """LBFGS runs the closure (forward + backward) several times inside one step(): each is a
+    backward pass, each step() one optimizer step, and a clean run reports no non-finite pass."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = mlp()
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        closures = 0
+
+        def closure() -> torch.Tensor:
+            nonlocal closures
+            closures += 1
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            optimizer.step(closure)  # type: ignore[no-untyped-call]
+        assert closures > 3  # several passes per step, else this test shows nothing
+        assert (closures, 3.0, None, 0.0) == (
+            passes(agent, "backward"), value(agent, "optimizer_steps_total", "LBFGS#0"),
+            value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
+
+
+def test_lbfgs_nonfinite_closure_passes_are_counted_like_any_other() -> None:
+    """A NaN loss in one closure call poisons LBFGS's later iterates: every pass after which a
+    gradient held NaN is counted, as many as a check after each backward finds."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = mlp()
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        calls, truth = 0, 0
+
+        def closure() -> torch.Tensor:
+            nonlocal calls, truth
+            calls += 1
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y) * (math.nan if calls == 3 else 1.0)
+            loss.backward()
+            truth += nonfinite(model.parameters()) > 0
+            return loss
+
+        for _ in range(2):
+            optimizer.step(closure)  # type: ignore[no-untyped-call]
+        assert truth > 0
+        assert (calls, truth) == (passes(agent, "backward"), value(agent, "grad_nonfinite_passes_total"))
+
+
+def test_lbfgs_state_bytes_include_its_history() -> None:
+    """LBFGS keeps its curvature history (old_dirs, old_stps) as lists of flat tensors, most of
+    its state: the state-bytes gauge counts them (it counted only the top-level tensors)."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = torch.nn.Linear(64, 8)
+        optimizer = torch.optim.LBFGS(model.parameters(), max_iter=10, history_size=5)
+        x, y = torch.randn(32, 64), torch.randn(32, 8)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)  # type: ignore[no-untyped-call]
+        [state] = optimizer.state.values()
+        assert 5 == len(state["old_dirs"])  # the history is full after one step of 10 iterations
+        expected = lbfgs_state_bytes(optimizer)
+        assert expected > 10 * 520 * 4  # 2 x 5 history copies of the 520 parameter elements
+        assert (expected, float(expected)) == (measure(optimizer)[2],
+                                               value(agent, "optimizer_state_bytes", "LBFGS#0"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_scaler_accumulation_counts_the_poisoned_micro_batch_passes_and_names_them(dtype: torch.dtype) -> None:
+    """Four micro-batches per step under CPU autocast and GradScaler, zeroed with set_to_none=False:
+    an Inf in one micro-batch makes the scaler skip that step; the passes after which the
+    accumulated gradient held it are counted and the parameters named, and the gauge returns to 0."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        truth, steps = 0, 0
+        for step in range(4):
+            for micro in range(4):
+                x = torch.randn(4, 4)
+                if (step, micro) == (1, 1):
+                    x[0, 0] = math.inf
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = model(x).float().square().mean() / 4
+                scaler.scale(loss).backward()
+                truth += nonfinite(model.parameters()) > 0
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            steps += scaler.get_scale() >= scale  # a skipped step lowers the scale
+            optimizer.zero_grad(set_to_none=False)
+        assert (3, 3) == (steps, truth)  # the poisoned micro-batch and the two after it
+        assert (16, 3.0, 3.0, 0.0) == (
+            passes(agent, "backward"), value(agent, "optimizer_steps_total", "SGD#0"),
+            value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
+        reported = events(agent, "autograd.nonfinite_gradients")
+        assert [5, 6, 7] == [e["pass_index"] for e in reported]
+        # An Inf input reaches the first layer's weight (Inf * 0 gives NaN downstream too).
+        assert all("0.weight" in str(e["names"]).split(",") for e in reported)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_adds_no_backward_pass_and_finds_a_nan_inside(reentrant: bool) -> None:
+    """The recomputation under torch.utils.checkpoint is no pass of its own (reentrant: one inner
+    pass of kind reentrant per checkpoint); timed nodes stay per pass; a NaN inside is named."""
+    torch.manual_seed(0)
+    with training_agent(sample_every="1") as agent:
+        inner, head = mlp(4, 8, 4), torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD([*inner.parameters(), *head.parameters()], lr=0.01)
+        truth = 0
+        for step in range(4):
+            handle = inner[2].weight.register_hook(lambda g: g * math.nan) if step == 2 else None
+            x = torch.randn(2, 4, requires_grad=reentrant)  # reentrant needs an input that requires grad
+            head(checkpoint(inner, x, use_reentrant=reentrant)).sum().backward()
+            if handle is not None:
+                handle.remove()
+            truth += nonfinite([*inner.parameters(), *head.parameters()]) > 0
+            if step != 2:  # skip the update, as GradScaler would
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert (4, 4 if reentrant else 0, 4) == (
+            passes(agent, "backward"), passes(agent, "reentrant"), value(agent, "autograd_sampled_passes_total"))
+        calls = node_values(agent, "autograd_node_calls_total")
+        if reentrant:  # the inner pass runs inside CheckpointFunctionBackward, timed as that node
+            assert (4.0, 4.0) == (calls["CheckpointFunctionBackward"], calls["AddmmBackward0"])
+        else:  # three Linear layers a pass, the recomputed ones once each
+            assert (12.0, 4.0) == (calls["AddmmBackward0"], calls["TanhBackward0"])
+        assert (1, 1.0) == (truth, value(agent, "grad_nonfinite_passes_total"))
+        [event] = events(agent, "autograd.nonfinite_gradients")
+        assert (2, "2.weight") == (event["pass_index"], event["names"])
+
+
+def test_gan_with_two_optimizers_and_schedulers() -> None:
+    """A GAN: two optimizers over disjoint parameters, LR schedulers stepping each, the generator
+    pass also reaching the discriminator. Passes, steps per optimizer, learning rates of the last
+    steps and the one non-finite generator pass are what the loop itself saw."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        gen, disc = mlp(2, 8, 4), mlp(4, 8, 1)
+        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+        opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+        sched_d = torch.optim.lr_scheduler.StepLR(opt_d, step_size=2, gamma=0.5)
+        sched_g = torch.optim.lr_scheduler.CosineAnnealingLR(opt_g, T_max=10)
+        bce = torch.nn.BCEWithLogitsLoss()
+        truth, g_steps, lrs = 0, 0, (0.0, 0.0)
+        for step in range(6):
+            fake = gen(torch.randn(4, 2))
+            opt_d.zero_grad()
+            (bce(disc(torch.randn(4, 4)), torch.ones(4, 1)) + bce(disc(fake.detach()), torch.zeros(4, 1))).backward()
+            truth += nonfinite([*gen.parameters(), *disc.parameters()]) > 0
+            opt_d.step()
+            opt_g.zero_grad()
+            handle = gen[2].bias.register_hook(lambda g: g * math.nan) if step == 3 else None
+            bce(disc(fake), torch.ones(4, 1)).backward()
+            if handle is not None:
+                handle.remove()
+            truth += nonfinite([*gen.parameters(), *disc.parameters()]) > 0
+            if step != 3:
+                opt_g.step()
+                g_steps += 1
+            lrs = (opt_d.param_groups[0]["lr"], opt_g.param_groups[0]["lr"])
+            sched_d.step()
+            sched_g.step()
+        # The skipped generator step leaves its NaN grad until its next zero_grad: the next
+        # discriminator pass ends with it still there (a pass *after which* a gradient held NaN).
+        assert 2 == truth
+        assert (12, 6.0, float(g_steps), float(truth)) == (
+            passes(agent, "backward"), value(agent, "optimizer_steps_total", "Adam#0"),
+            value(agent, "optimizer_steps_total", "Adam#1"), value(agent, "grad_nonfinite_passes_total"))
+        assert lrs == (value(agent, "optimizer_learning_rate", "Adam#0", "0"),
+                       value(agent, "optimizer_learning_rate", "Adam#1", "0"))
+        assert [(7, 1), (8, 1)] == [(e["pass_index"], e["parameters"])
+                                    for e in events(agent, "autograd.nonfinite_gradients")]
+
+
+def test_a_param_group_added_mid_run_is_checked_and_measured() -> None:
+    """Progressive unfreezing: a frozen head joins the optimizer through add_param_group; from its
+    first step on its non-finite gradients are found, and the parameter gauges include it."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        body, head = mlp(4, 8, 4), torch.nn.Linear(4, 1)
+        head.requires_grad_(False)
+        optimizer = torch.optim.SGD(body.parameters(), lr=0.01)
+        for step in range(6):
+            if step == 2:
+                head.requires_grad_(True)
+                optimizer.add_param_group({"params": head.parameters(), "lr": 0.001})
+            handle = head.weight.register_hook(lambda g: g * math.inf) if step == 4 else None
+            head(body(torch.randn(2, 4))).sum().backward()
+            if handle is not None:
+                handle.remove()
+            if step != 4:
+                optimizer.step()
+            optimizer.zero_grad()
+        assert (5.0, 1.0, 6.0, 8.0 * 4 + 8 + 4 * 8 + 4 + 4 + 1) == (
+            value(agent, "optimizer_steps_total", "SGD#0"), value(agent, "grad_nonfinite_passes_total"),
+            value(agent, "optimizer_parameters", "SGD#0"), value(agent, "optimizer_parameter_elements", "SGD#0"))
+        [event] = events(agent, "autograd.nonfinite_gradients")
+        assert (4, "weight") == (event["pass_index"], event["names"])
+
+
+# Far enough apart for the probe's throttle of searches for rebuilt models (one per 10 passes).
+REBUILDS = (3, 15)
+
+
+def _build_reusing_an_id(dead: set[int], build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A new model built after the old one was dropped (to free its memory, as OOM and divergence
+    recovery does) whose parameters include one at the address of a dead one (`dead`: the ids of
+    the dropped model's parameters), as CPython's allocator soon gives. Candidates are kept until
+    one does, so that each lands elsewhere; the others are dropped unused."""
+    candidates = []
+    for _ in range(1000):
+        model = build()
+        if dead & {id(p) for p in model.parameters()}:
+            return model
+        candidates.append(model)
+    pytest.fail("no parameter of a rebuilt model reused a dead parameter's id")
+
+
+def test_a_rebuilt_model_whose_parameters_reuse_dead_ids_is_checked() -> None:
+    """A model dropped and rebuilt (with its optimizer) often gets parameters at the addresses of
+    the dead ones: they are checked from the first pass (the dead ids used to hide them until the
+    next sampled pass, and from every pass before the optimizer's first step)."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model: torch.nn.Module = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        truth = []
+        for step in range(18):
+            if step in REBUILDS:
+                dead = {id(p) for p in model.parameters()}
+                del model, optimizer
+                model = _build_reusing_an_id(dead, mlp)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            x = torch.randn(2, 4)
+            if step in REBUILDS:
+                x[0, 0] = math.nan  # the first pass of each rebuilt model
+            model(x).sum().backward()
+            truth.append(nonfinite(model.parameters()))
+            if step not in REBUILDS:
+                optimizer.step()
+            optimizer.zero_grad()
+            agent.drain()  # names are resolved while the model lives, as the sender thread does
+        assert [3 if step in REBUILDS else 0 for step in range(18)] == truth  # all but the last bias
+        reported = events(agent, "autograd.nonfinite_gradients")
+        assert [(step, 3, 4) for step in REBUILDS] == [
+            (e["pass_index"], e["parameters"], e["checked"]) for e in reported]
+        assert all("0.bias,0.weight,2.weight" == ",".join(sorted(str(e["names"]).split(","))) for e in reported)
+
+
+def _sgd(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(param.grad, alpha=-0.01)
+
+
+def test_a_rebuilt_model_without_a_torch_optimizer_is_checked_at_once() -> None:
+    """A hand-written update (no torch optimizer hook to find the new parameters): a rebuilt model
+    whose parameter reuses a dead id is still checked from its first pass, not 100 passes later."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = torch.nn.Linear(4, 2)
+        for step in range(12):
+            if step == 2:
+                dead = {id(p) for p in model.parameters()}
+                del model
+                model = _build_reusing_an_id(dead, lambda: torch.nn.Linear(4, 2))  # type: ignore[assignment]
+            scale = math.inf if step >= 5 else 1.0
+            (model(torch.ones(1, 4)) * scale).sum().backward()
+            if step < 5:
+                _sgd(model)
+            model.zero_grad()
+        assert (7.0, 2.0) == (value(agent, "grad_nonfinite_passes_total"),
+                              value(agent, "grad_nonfinite_parameters"))
