@@ -152,6 +152,13 @@ def load(path: Path | None) -> Config:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    # tomllib lets these two through: a file saved in Latin-1 (a "é" in a comment) and arrays nested past the
+    # recursion limit. Uncaught, one failed the start with a traceback and a SIGHUP stopped the running daemon.
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 (byte {exc.start} is {exc.object[exc.start]:#04x})"
+                          ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply") from None
     try:
         return dataclasses.replace(from_mapping(data), source=path)
     except ConfigError as exc:
