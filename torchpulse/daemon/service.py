@@ -68,6 +68,8 @@ class Daemon:
         # The textfile write in flight: in a thread, so a hung textfile mount never stalls the loop.
         self._textfile_write: asyncio.Future[None] | None = None
         self._textfile_stalled = False
+        # Removals of a textfile output that a reload renamed or switched off.
+        self._textfile_removals: set[asyncio.Task[None]] = set()
         self.started = time.monotonic()
 
     def status(self) -> StatusReply:
@@ -103,7 +105,13 @@ class Daemon:
         daemon_cfg = self.config.daemon
         await self.agents.start(daemon_cfg.socket, self.inherited_socket)
         host, port = parse_listen(daemon_cfg.listen)
-        await self.metrics.start(host, port)
+        try:
+            await self.metrics.start(host, port)
+        except BaseException:
+            # The metrics port taken (the usual failed start): the socket file bound above would stay behind, and
+            # agents would get "connection refused" from a dead socket instead of "no daemon".
+            await self.agents.close()
+            raise
         self._prepare_state_dir()
         await self.checkpoints.start()
         log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
@@ -124,7 +132,8 @@ class Daemon:
             await self.agents.close()
             await self.metrics.close()
             await self.checkpoints.close()
-            await self._remove_textfile()
+            await asyncio.gather(*self._textfile_removals, return_exceptions=True)
+            await self._remove_textfile(self.config.daemon.textfile)
 
     def _status_line(self) -> str:
         runs, ranks = self.registry.counts()
@@ -190,6 +199,11 @@ class Daemon:
         self.checkpoints.apply_config(checkpoints)
         self.config = config_module.with_overrides(
             new, Overrides(socket=running.socket, listen=running.listen, state_dir=running.state_dir))
+        if running.textfile and running.textfile != new.daemon.textfile:
+            # Left in place, node_exporter would serve its frozen values (agent_up 1) for as long as it runs.
+            removal = asyncio.create_task(self._remove_textfile(running.textfile), name="remove old textfile")
+            self._textfile_removals.add(removal)
+            removal.add_done_callback(self._textfile_removals.discard)
         log.info("config reloaded", path=str(self.config_path))
         # Last, so that the line above still reaches a log that was at info.
         if (new.daemon.log_format, new.daemon.log_level) != (running.log_format, running.log_level):
@@ -219,18 +233,19 @@ class Daemon:
         data = self.exposition.render()
         self._textfile_write = off_loop(functools.partial(_write_textfile, data, path), "torchpulse-textfile")
 
-    async def _remove_textfile(self) -> None:
-        textfile = self.config.daemon.textfile
+    async def _remove_textfile(self, textfile: str) -> None:
+        """At a stop, or when a reload moved the output elsewhere or switched it off."""
         if not textfile:
             return
         # The last write first, or it could put the file back after the removal.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(TEXTFILE_STOP_SECONDS):
                 if self._textfile_write is not None:
-                    await self._textfile_write
+                    # Shielded: a timeout here must not mark a hung write finished for the writes to come.
+                    await asyncio.shield(self._textfile_write)
                 await off_loop(functools.partial(_remove_textfile, Path(textfile)), "torchpulse-textfile")
             return
-        log.warning("could not remove the textfile output at stop (a hung filesystem?)", path=textfile)
+        log.warning("could not remove the textfile output (a hung filesystem?)", path=textfile)
 
 
 def _write_textfile(data: bytes, path: Path) -> None:
@@ -247,3 +262,5 @@ def _remove_textfile(path: Path) -> None:
         remove_textfile(path)
     except OSError as exc:
         log.warning("cannot remove the textfile output", path=str(path), error=exc.strerror)
+    except Exception:  # awaited at stop and by a reload's removal task: nothing may end either early
+        log.exception("textfile removal failed", path=str(path))
