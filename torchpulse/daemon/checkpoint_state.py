@@ -11,6 +11,8 @@ so the file stays as large as what is on disk, whatever the job's retention.
 Nothing here raises: a file that cannot be opened leaves the state in memory,
 a corrupt one is set aside for a fresh one, and a read that fails answers
 "nothing known" (the checkpoint is validated again), each logged with why.
+A file removed while the daemon runs (`rm -r` of the state directory) is
+written again, whole, from the open connection at the next write.
 """
 
 from __future__ import annotations
@@ -115,8 +117,12 @@ class StateStore:
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / DB_NAME
         self._failed_reads: set[str] = set()
+        # (st_dev, st_ino) of the file the connection has open, to notice it was removed.
+        self._identity: tuple[int, int] | None = None
+        self._restore_error: str | None = None  # why writing a removed file again failed, logged once
         try:
             self._db = self._open_file()
+            self._identity = self._identity_at_path()
             self.persistent = True
         except sqlite3.Error as exc:
             # Validation still works; a restart re-validates what it cannot remember.
@@ -145,6 +151,55 @@ class StateStore:
     def close(self) -> None:
         self._db.close()
 
+    def _identity_at_path(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:  # removed, or its directory too
+            return None
+        return st.st_dev, st.st_ino
+
+    def _follow_removal(self) -> None:
+        """Before a write: when the file was removed, write it again from the connection, which still reads it.
+
+        An unlinked SQLite file takes writes without an error: every result
+        since would be lost at the next restart, which validates everything
+        again, and nothing would say so. A file found replaced by another one
+        is left alone (an operator restoring a copy?), with one warning: it is
+        what the next start reads.
+        """
+        if self._identity is None:
+            return  # memory only
+        now = self._identity_at_path()
+        if now == self._identity:
+            return
+        if now is not None:
+            self._identity = now
+            log.warning("checkpoint state file was replaced while the daemon ran; results go on to the file it "
+                        "opened, the next start reads the new one", path=str(self.path))
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
+            try:
+                self._db.backup(fresh)
+                fresh.execute("PRAGMA journal_mode=WAL")
+            except BaseException:
+                fresh.close()
+                raise
+        except (OSError, sqlite3.Error) as exc:
+            error = str(exc)
+            if self._restore_error != error:
+                self._restore_error = error
+                log.error("checkpoint state file was removed and cannot be written again; results are kept in "
+                          "memory until a restart", path=str(self.path), error=error)
+            return
+        self._db.close()
+        self._db = fresh
+        self._identity = self._identity_at_path()
+        self._restore_error = None
+        log.warning("checkpoint state file was removed while the daemon ran; wrote it again with everything it held",
+                    path=str(self.path))
+
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         """Rows of a query, or none when the file cannot answer (logged once per reason)."""
         try:
@@ -162,6 +217,7 @@ class StateStore:
 
     def save(self, record: Record) -> bool:
         """Whether the record was written (a full or read-only disk refuses it)."""
+        self._follow_removal()
         try:
             self._db.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -203,6 +259,7 @@ class StateStore:
 
     def forget(self, rows: list[tuple[str, float]]) -> None:
         """Delete rows by (path, validated_at): a row re-validated since it was listed stays."""
+        self._follow_removal()
         try:
             self._db.execute("BEGIN")  # one transaction: autocommit would sync once per row
             try:
@@ -223,6 +280,7 @@ class StateStore:
 
     def touch_announced_root(self, path: str, now: float) -> None:
         """Record an announcement under `path` (adding the root if it is new)."""
+        self._follow_removal()
         try:
             self._db.execute(
                 "INSERT INTO announced_roots (path, added_at, last_announced_at) VALUES (?, ?, ?) "
@@ -233,6 +291,7 @@ class StateStore:
             log.warning("cannot persist an announced root", path=path, error=str(exc))
 
     def remove_announced_root(self, path: str) -> None:
+        self._follow_removal()
         try:
             self._db.execute("DELETE FROM announced_roots WHERE path = ?", (path,))
         except sqlite3.Error as exc:
