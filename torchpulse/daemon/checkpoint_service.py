@@ -72,13 +72,14 @@ class CheckpointService:
         self._unsaved: dict[str, str] = {}
         self._logged_once: set[str] = set()
         self._debounce: dict[str, asyncio.TimerHandle] = {}
-        # Paths waiting for validation in the order they were found (a dict is an ordered set); the last goes next.
-        self._pending: dict[str, None] = {}
+        # Paths waiting for validation in the order they were found, the last next, each with the root it was
+        # found under (None: announced outside every root, validated under "other").
+        self._pending: dict[str, str | None] = {}
         self._has_pending = asyncio.Event()
         self._in_flight: set[str] = set()
         # Found again while being validated: checked once more when that validation ends (it may have read
-        # the previous save).
-        self._again: set[str] = set()
+        # the previous save). Path -> the root it was found under.
+        self._again: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._catch_ups: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -205,7 +206,7 @@ class CheckpointService:
         if self._closing:
             return
         if event.kind == "commit":
-            self._commit(event.path)
+            self._commit(event.path, event.root)
             return
         assert self._watcher is not None and self._watches is not None
         if event.kind == "backend_error" and self._watcher.kind_of(event.root) == "inotify":
@@ -275,25 +276,34 @@ class CheckpointService:
                 log.warning("too many announced checkpoint roots; this one is validated but not watched and "
                             "its metrics use root=\"other\"", root=parent, run=run,
                             max_announced_roots=self.config.max_announced_roots)
-        self._commit(path)
+        self._commit(path, self._root_of(path))
 
-    def _commit(self, path: str) -> None:
-        """`.metadata` appeared in `path`: validate once things have been quiet for a moment."""
+    def _commit(self, path: str, root: str | None) -> None:
+        """`.metadata` appeared in `path` under `root`: validate once things have been quiet for a moment."""
         if not self._usable(path):
             return
         handle = self._debounce.pop(path, None)
         if handle is not None:
             handle.cancel()
         loop = asyncio.get_running_loop()
-        self._debounce[path] = loop.call_later(self.config.debounce_seconds, self._enqueue, path)
+        self._debounce[path] = loop.call_later(self.config.debounce_seconds, self._enqueue, path, root)
 
-    def _enqueue(self, path: str) -> None:
+    def _enqueue(self, path: str, root: str | None) -> None:
         self._debounce.pop(path, None)
         if path in self._in_flight:
-            self._again.add(path)
+            self._again[path] = root
         elif path not in self._pending:
-            self._pending[path] = None
+            self._pending[path] = root
             self._has_pending.set()
+
+    def _dropped(self, path: str, found_under: str | None) -> bool:
+        """Whether `path` was found under a root that is no longer watched (SIGHUP removed it, or it expired).
+
+        Its series were dropped with the root; a validation recorded under the
+        old label, or under "other", would bring back a frozen status, and an
+        alert on it, that nothing updates any more.
+        """
+        return found_under is not None and self._root_of(path) is None
 
     # -- validation ---------------------------------------------------------------
     async def _dispatch(self) -> None:
@@ -307,9 +317,9 @@ class CheckpointService:
                 await self._has_pending.wait()
                 continue
             path = next(reversed(self._pending))
-            del self._pending[path]
+            found_under = self._pending.pop(path)
             self._in_flight.add(path)
-            task = asyncio.create_task(self._validate(path), name=f"validate {path}")
+            task = asyncio.create_task(self._validate(path, found_under), name=f"validate {path}")
             self._tasks.add(task)
             task.add_done_callback(functools.partial(self._finished, path))
 
@@ -319,8 +329,7 @@ class CheckpointService:
         self._slot_free.set()
         log_crash(task, "checkpoint validation crashed", path=path)
         if path in self._again:
-            self._again.discard(path)
-            self._enqueue(path)  # validated again only if its key changed
+            self._enqueue(path, self._again.pop(path))  # validated again only if its key changed
 
     def _log_once(self, key: str, event: str, **fields: object) -> None:
         if key in self._logged_once:
@@ -343,7 +352,11 @@ class CheckpointService:
         assert self._store is not None
         return self._unsaved.get(path) or self._store.key_of(path)
 
-    async def _validate(self, path: str) -> None:
+    async def _validate(self, path: str, found_under: str | None) -> None:
+        if self._dropped(path, found_under):
+            log.info("checkpoint root no longer watched; its queued checkpoint is not validated", path=path,
+                     root=found_under)
+            return
         found = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
         incomplete = found is None
         if found is None:
@@ -371,16 +384,23 @@ class CheckpointService:
         if not incomplete and (after is None or after[0] != key):
             # Overwritten (or deleted) while it was read: that result describes nothing on disk.
             log.info("checkpoint changed during validation; validating again", path=path)
-            self._enqueue(path)  # once this one has ended
+            self._enqueue(path, found_under)  # once this one has ended
             return
-        self._record(path, root, key, committed_at, result, elapsed)
+        if self._dropped(path, found_under):
+            # Kept in the state store (not validated again should its root come back), exported nowhere.
+            log.info("checkpoint root stopped being watched during its validation; result not exported", path=path,
+                     root=root, status=result.status.value)
+            self._record(path, root, key, committed_at, result, elapsed, export=False)
+            return
+        # The root now (a SIGHUP may have removed a nested root while this ran; the outer one takes it).
+        self._record(path, self._root_of(path), key, committed_at, result, elapsed)
 
     def _limits(self) -> Limits:
         return Limits(timeout_seconds=self.config.validation_timeout_seconds,
                       memory_bytes=self.config.validation_memory_limit_bytes, idle_io=True, drop_cache=True)
 
     def _record(self, path: str, root: str | None, key: str, committed_at: float, result: ValidationResult,
-                elapsed: float) -> None:
+                elapsed: float, export: bool = True) -> None:
         # The true counts: `result.findings` lists at most validate.MAX_FINDINGS_PER_RULE of a rule.
         findings = result.finding_counts()
         stats = result.stats
@@ -393,6 +413,8 @@ class CheckpointService:
             self._unsaved.pop(path, None)
         else:
             self._unsaved[path] = key
+        if not export:
+            return
         self.stats.record(record)
         level = "info" if result.status.value == "valid" else "warning"
         getattr(log, level)("checkpoint validated", path=path, root=record.root, status=record.status,
@@ -457,7 +479,7 @@ class CheckpointService:
         found += [(save.newest_write, save.path) for save in stale
                   if self._usable(save.path) and self._known_key(save.path) != _incomplete_key_for(save.newest_write)]
         for _, path in sorted(found):  # oldest first: the newest is validated next
-            self._enqueue(path)
+            self._enqueue(path, root)
 
     async def prune(self) -> None:
         """Forget the records of checkpoint directories deleted since (a job's retention policy)."""
