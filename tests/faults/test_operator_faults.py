@@ -1,0 +1,172 @@
+"""What operators do to a running daemon: odd config files, SIGHUP under load, a taken port, moved outputs, a removed
+state dir."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
+from tests.watcher.conftest import commit_copy
+from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
+from torchpulse.daemon import checkpoint_runner
+from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoint_state import DB_NAME
+
+# A config an editor saved in Latin-1 ("é" is byte 0xe9), and one nested past Python's recursion limit.
+NOT_UTF8 = b"# r\xe9glages du n\x9cud\n[runs]\nseries_limit_per_run = 7\n"
+TOO_DEEP = b"[runs]\nx = " + b"[" * 5000 + b"]" * 5000 + b"\n"
+
+
+def _events(daemon: DaemonProcess, event: str) -> list[dict[str, object]]:
+    return [line for line in daemon.log_lines() if line.get("event") == event]
+
+
+def _serves(daemon: DaemonProcess) -> bool:
+    return [1.0] == list(select(daemon.scrape(), "torchpulse_build_info").values())
+
+
+@pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
+def test_an_unreadable_config_file_refuses_the_start_with_one_line_and_status_2(
+        tmp_path: Path, content: bytes) -> None:
+    """tomllib raised UnicodeDecodeError and RecursionError past the ConfigError handler: a traceback, status 1."""
+    config = tmp_path / "tp.toml"
+    config.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(config),
+                           "--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "state")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert (2, 1) == (proc.returncode, len(lines)), proc.stderr
+    assert lines[0].startswith(f"torchpulse: invalid configuration: {config}: not valid TOML: ")
+
+
+@pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
+def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(
+        tmp_path: Path, content: bytes) -> None:
+    """The same files on SIGHUP ended the daemon (the exception left its housekeeping loop); now one error names
+    the file, the running config stays, and the next good edit applies."""
+    config = tmp_path / "tp.toml"
+    config.write_text("[runs]\nseries_limit_per_run = 100\n")
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    try:
+        config.write_bytes(content)
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: bool(_events(daemon, "config reload failed; keeping the running config")))
+        [failed] = _events(daemon, "config reload failed; keeping the running config")
+        assert str(failed["error"]).startswith(f"{config}: not valid TOML: ")
+        assert (None, True) == (daemon.proc.poll(), _serves(daemon))
+        config.write_text("[runs]\nseries_limit_per_run = 7\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: bool(_events(daemon, "config reloaded")))
+    finally:
+        assert 0 == daemon.stop()
+
+
+def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_socket(tmp_path: Path) -> None:
+    """The agent socket was bound before the port failed and stayed behind: agents met "connection refused" from a
+    dead socket instead of "no daemon", which a stopped daemon otherwise guarantees."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "a.sock"),
+                               "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state")],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+    errors = [line for line in proc.stderr.splitlines() if '"level": "error"' in line]
+    assert (1, 1) == (proc.returncode, len(errors)), proc.stderr
+    assert "daemon failed to start" in errors[0] and "address already in use" in errors[0]
+    assert not (tmp_path / "a.sock").exists()
+
+
+
+def test_a_textfile_output_moved_or_switched_off_on_sighup_leaves_no_frozen_file(tmp_path: Path) -> None:
+    """The old .prom stayed for ever (even after the stop, which removes only the current one): node_exporter served
+    its frozen values, agent_up 1 included, for as long as it ran."""
+    first, second = tmp_path / "first.prom", tmp_path / "second.prom"
+    config = tmp_path / "tp.toml"
+    config.write_text(f'[daemon]\ntextfile = "{first}"\ntextfile_interval_seconds = 0.2\n')
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+    try:
+        wait_for(first.exists)
+        config.write_text(f'[daemon]\ntextfile = "{second}"\ntextfile_interval_seconds = 0.2\n')
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: second.exists() and not first.exists())
+        config.write_text("[daemon]\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: not second.exists())
+        assert _serves(daemon)
+    finally:
+        assert 0 == daemon.stop()
+    assert [] == sorted(p.name for p in tmp_path.glob("*.prom"))
+
+@pytest.mark.slow
+def test_a_state_directory_removed_while_running_is_written_again_and_nothing_is_validated_twice(
+        tmp_path: Path, saved_checkpoint: Path) -> None:
+    """`rm -r` of the state dir: SQLite went on writing to the unlinked file without a word, so every result was
+    lost at the next restart, which validated everything again. Now the file is written again, whole, with one
+    warning, and a restart validates only what is new."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    config = tmp_path / "tp.toml"
+    config.write_text(f'[checkpoints]\nroots = [{{ path = "{root}", observer = "inotify" }}]\nlevel = "metadata"\n')
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
+
+    def validated(d: DaemonProcess) -> list[str]:
+        return [str(line["path"]) for line in _events(d, "checkpoint validated")]
+
+    try:
+        commit_copy(saved_checkpoint, root / "step-1")
+        wait_for(lambda: [str(root / "step-1")] == validated(daemon), timeout=60)
+        shutil.rmtree(daemon.state_dir)
+        commit_copy(saved_checkpoint, root / "step-2")
+        wait_for(lambda: 2 == len(validated(daemon)), timeout=60)
+        assert _serves(daemon)
+        [warning] = [line for line in daemon.log_lines() if str(line.get("event")).startswith(
+            "checkpoint state file was removed while the daemon ran")]
+        assert str(daemon.state_dir / DB_NAME) == warning["path"]
+    finally:
+        assert 0 == daemon.stop()
+    again = daemon.restart()
+    try:
+        commit_copy(saved_checkpoint, root / "step-3")  # after the start's sweep: a re-validation shows before it
+        wait_for(lambda: bool(validated(again)), timeout=60)
+        assert [str(root / "step-3")] == validated(again)
+    finally:
+        again.stop()
+
+
+def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_queued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A validation running when SIGHUP dropped its root brought the root's series back, frozen (an invalid one
+    alerted for ever), and its queued checkpoints were validated into root="other"; now the running one is
+    recorded but not exported, and the queued ones are not validated."""
+    worker = FakeWorker(seconds=0.5)
+    monkeypatch.setattr(checkpoint_runner, "validate", worker)
+    dropped, kept = tmp_path / "dropped", tmp_path / "kept"
+    for step in range(3):
+        _tiny_checkpoint(dropped / f"step-{step}")
+        worker.invalid.add(str(dropped / f"step-{step}"))
+    kept.mkdir()
+    config = CheckpointsConfig(roots=(RootConfig(str(dropped), "inotify"), RootConfig(str(kept), "inotify")),
+                               debounce_seconds=0.0)
+
+    async def body(service: CheckpointService) -> None:
+        await _until(lambda: 1 == len(worker.calls))
+        service.apply_config(CheckpointsConfig(roots=(RootConfig(str(kept), "inotify"),), debounce_seconds=0.0))
+        await _until(lambda: 0 == worker.running and not service._pending)
+        await asyncio.sleep(0.3)
+        assert [str(dropped / "step-2")] == worker.calls  # the newest first, the others were queued
+        assert [str(kept)] == list(service.stats.roots)  # neither the dropped root nor "other"
+        assert service._store is not None
+        # Remembered: should the root come back, that checkpoint is not validated again.
+        assert service._store.key_of(str(dropped / "step-2")) is not None
+
+    _run(tmp_path, config, body)
