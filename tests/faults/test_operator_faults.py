@@ -83,6 +83,7 @@ def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_
     errors = [line for line in proc.stderr.splitlines() if '"level": "error"' in line]
     assert (1, 1) == (proc.returncode, len(errors)), proc.stderr
     assert "daemon failed to start" in errors[0] and "address already in use" in errors[0]
+    assert f"cannot serve /metrics on 127.0.0.1:{port} (daemon.listen in the config, or --listen)" in errors[0]
     assert not (tmp_path / "a.sock").exists()
 
 

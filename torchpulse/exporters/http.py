@@ -61,7 +61,12 @@ class MetricsServer:
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEADER_BYTES)
+        try:
+            self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEADER_BYTES)
+        except OSError as exc:
+            # asyncio says which address, not which setting: name the key and the flag that choose it.
+            raise OSError(exc.errno, f"cannot serve /metrics on {host}:{port} (daemon.listen in the config, "
+                                     f"or --listen): {exc.strerror}") from None
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
