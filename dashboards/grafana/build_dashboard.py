@@ -225,7 +225,7 @@ def training() -> list[Panel]:
             "timeseries",
             "Learning rate",
             "sci",
-            "Learning rate of each param group after the last step. A value of 0, NaN or a "
+            "Learning rate that the last step of each param group used. A value of 0, NaN or a "
             "jump the schedule does not explain means a scheduler or resume bug.",
             [
                 q(
