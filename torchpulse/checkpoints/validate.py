@@ -118,10 +118,15 @@ def data_findings(ckpt: Checkpoint, report: DataReport) -> list[Finding]:
     """Rules over what reading every item found."""
     layout = optimizer.parse_layout(ckpt)
     items = {b.key: b for b in report.bytes_items}
+    # Optimizers whose param groups only the bytes items tell (several params lists, the
+    # flat layout): TP-CKPT-014 is decided here, the others' at the metadata level.
+    known = optimizer.param_groups(layout, {})
+    groups = {opt: g for opt, g in optimizer.param_groups(layout, items).items() if opt not in known}
     return [
         *data.item_problems(report.problems),
         *data.stored_matches_metadata(ckpt, report.tensors),
         *data.unverifiable_bytes(report.bytes_items),
+        *optimizer.state_presence(layout, groups),
         *optimizer.params_lists(layout, items),
         *optimizer.step_consistency(layout, report.tensors, items),
         *optimizer.state_values(layout, report.tensors),

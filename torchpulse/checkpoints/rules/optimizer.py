@@ -3,21 +3,36 @@
 Nested (`get_state_dict` default): `<opt>.state.<fqn>.<name>` with planner path
 (opt, "state", fqn, name) and `<opt>.param_groups.<i>.params` lists.
 Flat (`flatten_optimizer_state_dict=True`): path (opt, "state.<fqn>.<name>"),
-no params list.
+no params list; each parameter's group options as (opt, "param_groups.<fqn>.<option>").
+
+Parameters of different param groups may legitimately differ in state names
+(per-group `amsgrad`, several optimizers merged by `get_state_dict`) and in
+`step` (a group added later by `add_param_group`): those rules compare
+parameters of one group only.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from torchpulse.checkpoints.model import Checkpoint, Finding, StoredBytes, StoredTensor
 from torchpulse.checkpoints.rules import error, info, warning
 
 # State that must be >= 0 (second moments); anything negative means corruption.
 NON_NEGATIVE_STATE = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg"})
+# torch.optim state that is not shaped like its parameter: LBFGS keeps vectors over all
+# parameters of its one group on the first parameter.
+_NOT_PARAM_SHAPED = frozenset({"d", "prev_flat_grad"})
+# State names that stand in for one another: Adafactor keeps `variance` for a parameter
+# of fewer than 2 dimensions and factors it into `row_var` and `col_var` for the others.
+_ALTERNATIVES: Mapping[str, frozenset[str]] = {
+    "variance": frozenset({"row_var", "col_var"}),
+    "row_var": frozenset({"variance"}),
+    "col_var": frozenset({"variance"}),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +48,8 @@ class OptimizerLayout:
     params_lists: Mapping[str, str]  # flat key of a params list -> optimizer prefix
     # Model parameter name (as optimizer state names it) -> flat tensor key.
     params: Mapping[str, str]
+    # Flat layout: optimizer -> parameter -> option name -> key of that group option.
+    group_options: Mapping[str, Mapping[str, Mapping[str, str]]] = field(default_factory=dict)
 
     @property
     def optimizers(self) -> set[str]:
@@ -71,6 +88,7 @@ def parse_layout(ckpt: Checkpoint) -> OptimizerLayout:
     state: dict[str, StateKey] = {}
     params_lists: dict[str, str] = {}
     others: dict[str, tuple[str, ...]] = {}
+    group_options: dict[str, dict[str, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for key, path in _paths(ckpt).items():
         parsed = _parse_state_path(path)
         if parsed is not None:
@@ -78,13 +96,92 @@ def parse_layout(ckpt: Checkpoint) -> OptimizerLayout:
         elif len(path) == 4 and path[1] == "param_groups" and path[3] == "params":
             params_lists[key] = path[0]
         else:
+            if len(path) == 2 and path[1].startswith("param_groups."):
+                fqn, _, option = path[1][len("param_groups.") :].rpartition(".")
+                if fqn:
+                    group_options[path[0]][fqn][option] = key
             others[key] = path
     optimizers = {s.optimizer for s in state.values()} | set(params_lists.values())
     params: dict[str, str] = {}
     for key, path in others.items():
         if key in ckpt.tensors and path[0] not in optimizers:
             params[".".join(path[1:]) if len(path) > 1 else path[0]] = key
-    return OptimizerLayout(state, params_lists, params)
+    options = {opt: {p: dict(o) for p, o in per.items()} for opt, per in group_options.items() if opt in optimizers}
+    return OptimizerLayout(state, params_lists, params, options)
+
+
+_ONE_GROUP = ""
+
+
+def param_groups(layout: OptimizerLayout, items: Mapping[str, StoredBytes]) -> dict[str, dict[str, Hashable]]:
+    """Optimizer -> parameter -> its param group, for the optimizers whose groups are known.
+
+    Without `items` (metadata level) only an optimizer with one params list, or
+    with no sign of groups at all, is known; the data level reads the params
+    lists (nested layout) or each parameter's group options (flat layout, where
+    parameters with equal options share a group). A parameter in no list is left
+    out (TP-CKPT-015 reports it).
+    """
+    stateful: dict[str, set[str]] = defaultdict(set)
+    for sk in layout.state.values():
+        stateful[sk.optimizer].add(sk.param)
+    lists: dict[str, list[str]] = defaultdict(list)
+    for key, opt in layout.params_lists.items():
+        lists[opt].append(key)
+    groups: dict[str, dict[str, Hashable]] = {}
+    for opt in sorted(layout.optimizers):
+        if len(lists[opt]) == 1:
+            groups[opt] = dict.fromkeys(stateful[opt], lists[opt][0])
+        elif lists[opt]:
+            listed = {key: _readable_list(items.get(key)) for key in lists[opt]}
+            if all(names is not None for names in listed.values()):
+                groups[opt] = {name: key for key, names in sorted(listed.items()) for name in names or ()}
+        elif opt in layout.group_options:
+            signatures = {p: _options_signature(o, items) for p, o in layout.group_options[opt].items()}
+            if all(sig is not None for sig in signatures.values()):
+                groups[opt] = dict(signatures)
+        else:
+            groups[opt] = dict.fromkeys(stateful[opt], _ONE_GROUP)
+    return groups
+
+
+def _readable_list(item: StoredBytes | None) -> list[str] | None:
+    value = item.value if item is not None and item.verifiable else None
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str | int) for v in value):
+        return None
+    return [str(v) for v in value]
+
+
+def _options_signature(options: Mapping[str, str], items: Mapping[str, StoredBytes]) -> Hashable | None:
+    """What a parameter's flat group options say, as a hashable value; None if one was not read."""
+    values: list[tuple[str, Hashable]] = []
+    for option, key in sorted(options.items()):
+        item = items.get(key)
+        if item is None:
+            # A tensor-valued option (an `lr` tensor) is no bytes item: compared by name only.
+            if not items:
+                return None
+            values.append((option, "<tensor>"))
+        elif not item.verifiable:
+            return None
+        else:
+            values.append((option, _option_value(item.value)))
+    return tuple(values)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _option_value(value: object) -> Hashable:
+    """A group option (lr, betas, amsgrad) as a hashable value, in time linear in the item.
+
+    Never `repr`: a hostile item of lists that share lists is tiny and prints 2**60 characters.
+    """
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, list | tuple) and len(value) <= 16 and all(isinstance(v, _SCALARS) for v in value):
+        return tuple(value)
+    return f"<{type(value).__name__}>"
 
 
 def no_optimizer(layout: OptimizerLayout) -> list[Finding]:
@@ -103,27 +200,50 @@ def state_shapes(ckpt: Checkpoint, layout: OptimizerLayout) -> list[Finding]:
         if tensor is None or param_key is None or math.prod(tensor.size) <= 1:
             continue
         param_size = ckpt.tensors[param_key].size
-        if tensor.size != param_size:
+        expected = _expected_shape(sk.name, param_size)
+        if expected is not None and tensor.size != expected:
+            shaped = "" if expected == param_size else f" (expected {list(expected)})"
             out.append(
                 error(
                     "TP-CKPT-013",
                     key,
-                    f"shape {list(tensor.size)} but parameter {param_key} has {list(param_size)}",
+                    f"shape {list(tensor.size)} but parameter {param_key} has {list(param_size)}{shaped}",
                 )
             )
     return out
 
 
-def state_presence(layout: OptimizerLayout) -> list[Finding]:
-    """TP-CKPT-014: a state entry present for some parameters is present for all of them."""
-    names: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+def _expected_shape(name: str, param_size: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape state `name` has for a parameter of `param_size`; None where it is not tied to it."""
+    if name in _NOT_PARAM_SHAPED:
+        return None
+    # Adafactor's factored second moment, kept with keepdim: a column and a row of sums.
+    if name == "row_var" and len(param_size) >= 2:
+        return (*param_size[:-1], 1)
+    if name == "col_var" and len(param_size) >= 2:
+        return (*param_size[:-2], 1, param_size[-1])
+    return param_size
+
+
+def state_presence(
+    layout: OptimizerLayout, groups: Mapping[str, Mapping[str, Hashable]] | None = None
+) -> list[Finding]:
+    """TP-CKPT-014: a state entry present for some parameters of a param group is present for all of them.
+
+    Only the optimizers in `groups` (default: those known at metadata level) are checked.
+    """
+    if groups is None:
+        groups = param_groups(layout, {})
+    names: dict[tuple[str, Hashable], dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for sk in layout.state.values():
-        names[sk.optimizer][sk.param].add(sk.name)
+        group = groups.get(sk.optimizer, {})
+        if sk.param in group:
+            names[(sk.optimizer, group[sk.param])][sk.param].add(sk.name)
     out: list[Finding] = []
-    for opt, per_param in sorted(names.items()):
+    for (opt, _), per_param in sorted(names.items(), key=lambda kv: (kv[0][0], sorted(kv[1]))):
         union = set().union(*per_param.values())
         for param, have in sorted(per_param.items()):
-            for missing in sorted(union - have):
+            for missing in sorted(n for n in union - have if not _ALTERNATIVES.get(n, frozenset()) & have):
                 out.append(
                     error(
                         "TP-CKPT-014",
@@ -160,12 +280,11 @@ def params_lists(layout: OptimizerLayout, items: Mapping[str, StoredBytes]) -> l
     listed: dict[str, Counter[str]] = defaultdict(Counter)
     readable: dict[str, bool] = defaultdict(lambda: True)
     for key, opt in layout.params_lists.items():
-        item = items.get(key)
-        value = item.value if item is not None and item.verifiable else None
-        if not isinstance(value, list | tuple) or not all(isinstance(v, str | int) for v in value):
+        names = _readable_list(items.get(key))
+        if names is None:
             readable[opt] = False
             continue
-        listed[opt].update(str(v) for v in value)
+        listed[opt].update(names)
     out: list[Finding] = []
     for opt in sorted(set(layout.params_lists.values())):
         if not readable[opt]:
@@ -190,9 +309,14 @@ def step_consistency(
     tensors: Sequence[StoredTensor],
     items: Mapping[str, StoredBytes],
 ) -> list[Finding]:
-    """TP-CKPT-016: every parameter of one optimizer took the same number of steps."""
+    """TP-CKPT-016: every parameter of one param group took the same number of steps.
+
+    A group added later (`add_param_group`) legitimately has fewer; a parameter whose
+    group is unknown is compared with the optimizer's other such parameters.
+    """
+    groups = param_groups(layout, items)
     # Keyed by the value itself (1 == 1.0 share a key): float() of a hostile 10**400 raises.
-    steps: dict[str, dict[int | float, list[str]]] = defaultdict(lambda: defaultdict(list))
+    steps: dict[tuple[str, Hashable], dict[int | float, list[str]]] = defaultdict(lambda: defaultdict(list))
     scalars = {t.key: t.scalar for t in tensors if t.scalar is not None}
     for key, sk in layout.state.items():
         if sk.name != "step":
@@ -203,9 +327,10 @@ def step_consistency(
         elif key in items and items[key].verifiable:
             value = items[key].value
         if isinstance(value, int | float) and not isinstance(value, bool):
-            steps[sk.optimizer][value].append(sk.param)
+            group = groups.get(sk.optimizer, {}).get(sk.param, _ONE_GROUP)
+            steps[(sk.optimizer, group)][value].append(sk.param)
     out: list[Finding] = []
-    for opt, by_value in sorted(steps.items()):
+    for (opt, _), by_value in sorted(steps.items(), key=lambda kv: (kv[0][0], sorted(map(sorted, kv[1].values())))):
         if len(by_value) > 1:
             summary = "; ".join(f"{_number(v)} for {len(p)} ({', '.join(sorted(p)[:3])})"
                                 for v, p in sorted(by_value.items()))
