@@ -158,6 +158,15 @@ def test_stale_metadata() -> None:
     assert ["TP-CKPT-004"] == rules(commit.stale_metadata(ckpt))
 
 
+def test_stale_metadata_says_by_how_much_and_names_a_copy_without_timestamps_as_a_cause() -> None:
+    """Timestamps are the rule's only evidence: `cp` without -p makes a pristine copy look overwritten."""
+    ckpt = checkpoint([tensor("w", (2,))], metadata_mtime=10)
+    newer = ckpt.files[ckpt.storage[0].relative_path].mtime_ns
+    [finding] = commit.stale_metadata(ckpt)
+    assert f"modified {(newer - 10) / 1e9:.3f} s after the metadata" in finding.message
+    assert "copied without keeping timestamps" in finding.message and "cp -p" in finding.message
+
+
 def test_items_past_eof_and_overlapping() -> None:
     """Items must lie inside their file and must not share bytes."""
     storage = [

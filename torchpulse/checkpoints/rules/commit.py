@@ -55,12 +55,16 @@ def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-004: a file the metadata references changed after the metadata was written."""
     committed_at = ckpt.metadata_mtime_ns
     referenced = {s.relative_path for s in ckpt.storage}
+    # Timestamps are all this rule has, and a copy that does not keep them (cp without -p,
+    # rsync without -t, most object-store downloads) can order a pristine checkpoint's files
+    # either way: the message names that cause too, so nobody throws away a good copy unasked.
     return [
         error(
             "TP-CKPT-004",
             name,
-            "modified after the metadata: the checkpoint was "
-            "overwritten in place and the metadata describes the old contents",
+            f"modified {(ckpt.files[name].mtime_ns - committed_at) / 1e9:.3f} s after the metadata: the "
+            "checkpoint was overwritten in place and the metadata describes the old contents (or it was "
+            "copied without keeping timestamps: compare with the original, copy with cp -p or rsync -t)",
         )
         for name in sorted(referenced)
         if name in ckpt.files and ckpt.files[name].mtime_ns > committed_at
