@@ -67,6 +67,16 @@ class Compilation(NamedTuple):
         )
 
 
+def frame_of(compile_id: str) -> str:
+    """The frame id of a compile id: "3/1" -> "3", and under compiled autograd "!0/3/1" -> "3".
+
+    The "!0" prefix is the compiled-autograd graph whose backward was running, not the frame: the
+    frames a backward compiles (its graph, hooks, functions compiled elsewhere too) all carry it.
+    """
+    parts = compile_id.split("/")
+    return parts[1] if compile_id.startswith("!") and len(parts) > 2 else parts[0]
+
+
 def phase_seconds(c: Compilation) -> list[tuple[str, float]]:
     """Exclusive time per phase: the cumulative timers nest (dynamo ⊃ aot autograd ⊃ inductor)."""
     phases: list[tuple[str, float]] = []
@@ -111,6 +121,7 @@ class CompileProbe(Probe):
         top_k = int(agent.config.options.get("compile_top_k", DEFAULT_TOP_K))
         self._top_k = top_k
         self._taps: list[LogTap] = []
+        self._graph_breaks: LogTap | None = None
         self._start: _StartCallback | None = None
         self._reset_state()
 
@@ -137,22 +148,24 @@ class CompileProbe(Probe):
             history = [Compilation.of(m) for m in tf.compilation_metrics_history()
                        if not getattr(m, "is_runtime", False)]
             self.agent.record_quiet(self._remember_frames, history)
-        self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
+        self._graph_breaks = self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
         if tf.has("compile_callbacks"):
             self._start = _StartCallback(self.guard(self._on_compile_start))
             self._start.ensure()
             self._keep(self._start)
 
-    def _tap(self, logger_name: str, level: int, sink: Any) -> None:
+    def _tap(self, logger_name: str, level: int, sink: Any) -> LogTap:
         tap = LogTap(logger_name, level, self.guard(sink))
         self._taps.append(tap)
         self._keep(tap)
+        return tap
 
     def _uninstalled(self) -> None:
         # Labels and frame names stay: records queued before a detach are folded in
         # after it (the sender's last batch), and a limit hit names its function only
         # through the frame map. Kept across disable/enable, labels stay top K per run.
         self._taps = []
+        self._graph_breaks = None
         self._start = None
 
     # -- training thread (only while torch compiles) ---------------------------
@@ -170,6 +183,10 @@ class CompileProbe(Probe):
         self.agent.record(self._on_compilation, Compilation.of(metrics))
 
     def _on_graph_break_record(self, record: logging.LogRecord) -> None:
+        if (isinstance(record.msg, str) and record.msg.startswith(tf.GRAPH_BREAK_FULL_PREFIX)
+                and self._graph_breaks is not None and self._graph_breaks.hides(record)):
+            # Dynamo deduplicated this break only because the tap enabled its logger.
+            tf.forget_graph_break_dedup()
         self.agent.record(self._on_graph_break, record.getMessage())
 
     # -- agent thread ----------------------------------------------------------
@@ -179,7 +196,7 @@ class CompileProbe(Probe):
                 self._function_of(c)
 
     def _function_of(self, c: Compilation) -> str:
-        frame_id = c.compile_id.split("/", 1)[0]
+        frame_id = frame_of(c.compile_id)
         if c.co_name is not None:
             if len(self._frames) >= MAX_FRAMES:
                 self._frames.clear()

@@ -92,15 +92,16 @@ class _LoggerTap(logging.Filter):
         return parent.getEffectiveLevel() if parent is not None else logging.WARNING
 
     # -- per record ----------------------------------------------------------
+    def hides(self, record: logging.LogRecord) -> bool:
+        return self._applied is not None and record.levelno < self._baseline_effective()
+
     def filter(self, record: logging.LogRecord) -> bool:
         for level, sink in list(self.sinks.values()):
             if record.levelno >= level:
                 # A sink must never break torch's logging call.
                 with contextlib.suppress(Exception):
                     sink(record)
-        if self._applied is None:
-            return True
-        return record.levelno >= self._baseline_effective()
+        return not self.hides(record)
 
 
 class LogTap:
@@ -125,6 +126,11 @@ class LogTap:
         if tap is not None:
             with _lock:
                 tap.apply()
+
+    def hides(self, record: logging.LogRecord) -> bool:
+        """Whether the logger passes `record` only because of taps: everyone else refuses it."""
+        tap = self._tap
+        return tap is not None and tap.hides(record)
 
     def remove(self) -> None:
         tap, self._tap = self._tap, None

@@ -13,6 +13,7 @@ import functools
 import inspect
 import sys
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ METRICS_LOGGER: Final = "torch._utils_internal"
 # FILE:LINE\nGraph Break Reason: ..." at DEBUG, and only builds the message
 # when the logger is enabled for DEBUG.
 GRAPH_BREAK_LOGGER: Final = "torch._dynamo.symbolic_convert.__graph_breaks"
+# Before that message, `log_graph_break` adds (gb_type, location) to `graph_break_dup_warning_checker`, but
+# only when the logger is enabled for DEBUG: a later break at the same place then prints without its user stack
+# ("user stack suppressed due to duplicate graph break"). The prefix tells the full message from that one.
+GRAPH_BREAK_FULL_PREFIX: Final = "Graph break in user code"
 # `log_cudagraph_skip_and_bump_counter` and the dynamic-shape warn limit log
 # here at WARNING. The artifact does not propagate, so without handlers Python's
 # `lastResort` prints them: a tap must be a filter, never a handler.
@@ -248,6 +253,23 @@ def dynamo_frame_callback_getter() -> Callable[[], object]:
     eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     getter = getattr(eval_frame, "get_eval_frame_callback", None)
     return getter if callable(getter) else object
+
+
+def forget_graph_break_dedup() -> None:
+    """Undo the duplicate-checker entry `log_graph_break` added just before its full message.
+
+    Called from inside that logging call when only a tap enabled the logger: without the tap
+    Dynamo would not have added it, and a graph-break log the job turns on later would print
+    this break's user stack. The entry is the checker's newest (compiles are serialised);
+    under `config.verbose` the checker re-logs duplicates in full anyway, and its `add` may
+    only have moved an older entry, which must stay.
+    """
+    import torch._dynamo.config
+    from torch._dynamo.utils import graph_break_dup_warning_checker as checker
+
+    entries = getattr(checker, "set", None)
+    if not torch._dynamo.config.verbose and isinstance(entries, OrderedDict) and entries:
+        entries.popitem(last=True)
 
 
 def compilation_metrics_history() -> list[Any]:
