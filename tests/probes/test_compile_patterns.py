@@ -266,3 +266,36 @@ def test_limit_hit_under_compiled_autograd_names_its_own_frame() -> None:
         agent.shutdown()
     assert {("hook_fn (job/train.py:3)",): 1.0} == _series(agent, "recompile_limit_hits_total")
     assert {("hook_fn (job/train.py:3)", "tensor_size"): 1.0} == _series(agent, "recompiles_total")
+
+
+def test_a_compiled_optimizer_step_keeps_its_math_compiled_and_is_timed() -> None:
+    """`torch.compile(opt.step)`: the agent's step hooks are torch.compiler.disable'd, so Dynamo runs torch's
+    step wrapper eagerly (the README says so); the optimizer's own step must still compile, every step be
+    counted and timed, and the parameters move exactly as without the agent."""
+    torch.manual_seed(0)
+    reference, probed = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    probed.load_state_dict(reference.state_dict())
+    batches = [torch.randn(2, 3) for _ in range(3)]
+
+    def train(model: torch.nn.Module, compiled: bool) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for batch in batches:
+            model(batch).sum().backward()  # type: ignore[no-untyped-call]
+            step()
+            opt.zero_grad()
+
+    train(reference, compiled=False)
+    earlier = {id(m) for m in tf.compilation_metrics_history()}
+    agent = local_agent(("optimizer", "compile"))
+    try:
+        train(probed, compiled=True)
+        agent.drain()
+        names = {(m.co_name, m.fail_type is None) for m in tf.compilation_metrics_history() if id(m) not in earlier}
+        steps = _series(agent, "optimizer_steps_total")
+    finally:
+        agent.shutdown()
+    assert ("step", True) in names  # SGD.step itself compiled
+    assert [3.0] == list(steps.values())
+    for want, got in zip(reference.parameters(), probed.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
