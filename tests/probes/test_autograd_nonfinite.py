@@ -271,3 +271,26 @@ def test_a_gradient_edge_output_does_not_switch_the_probe_off() -> None:
         assert [2.0, 2.0, 2.0] == grad.tolist()
         assert agent.probes["autograd"].enabled
         assert 1 == agent.store.value("backward_passes_total", ("grad",))
+
+
+def test_a_new_parameter_at_a_dead_parameters_id_is_tracked(monkeypatch: Any) -> None:
+    """CPython soon gives a dropped model's parameter addresses to a rebuilt one's: the id collision is
+    forced here (deterministic, unlike the allocator) and the new parameter must still be checked."""
+    import builtins
+
+    from torchpulse.probes import autograd_nonfinite
+
+    check = autograd_nonfinite.GradCheck(max_pending=4)
+    old = torch.nn.Parameter(torch.zeros(2))
+    check.track(old)
+    dead_id = id(old)
+    del old
+    new = torch.nn.Parameter(torch.zeros(2))
+    monkeypatch.setattr(autograd_nonfinite, "id", lambda obj: dead_id if obj is new else builtins.id(obj),
+                        raising=False)
+    check.track(new)
+    new.grad = torch.tensor([1.0, math.nan])
+    check.launch(0, "backward")
+    [result] = check.poll()
+    assert (1, 1) == (result.checked, len(result.nonfinite))
+    assert result.nonfinite[0]() is new
