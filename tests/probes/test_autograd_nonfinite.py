@@ -95,13 +95,14 @@ def test_autograd_grad_passes_are_not_checked() -> None:
         assert agent.store.value("grad_nonfinite_passes_total", ()) is None
 
 
-def test_parameters_with_freed_storage_are_skipped() -> None:
-    """FSDP frees unsharded storage: such parameters are not read."""
+def test_gradients_with_freed_storage_are_skipped() -> None:
+    """FSDP frees unsharded storage: a gradient without storage is not read. (A parameter without storage whose
+    gradient has some is: tests/integration/test_distributed_probes.py, FSDP2 without gradient sync.)"""
     with autograd_agent() as agent:
         weight = torch.nn.Parameter(torch.ones(3))
         (weight * 2).sum().backward()
         weight.grad = torch.full((3,), math.nan)
-        weight.data.untyped_storage().resize_(0)
+        weight.grad.untyped_storage().resize_(0)
         (torch.ones(3, requires_grad=True) * weight.grad.new_ones(3)).sum().backward()
         agent.drain()
         assert agent.store.value("grad_nonfinite_passes_total", ()) is None

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from torchpulse.probes import torch_features as tf
+
 # Child names that only a wrapper introduces: always a wrapper boundary.
 WRAPPER_CHILDREN = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 # `module` is a wrapper boundary only under these (a user's own `module` child keeps its name).
@@ -33,6 +35,7 @@ def parameter_names(root: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
     """id(param) -> (param, name) in one module tree; a shared parameter keeps its first name."""
     names: dict[int, tuple[torch.Tensor, str]] = {}
     seen: set[int] = set()
+    sharded_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     stack: list[tuple[nn.Module, str]] = [(root, "")]
     while stack:
         module, prefix = stack.pop()
@@ -42,10 +45,18 @@ def parameter_names(root: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
         for name, param in module._parameters.items():
             if param is not None and id(param) not in names:
                 names[id(param)] = (param, prefix + name)
+        sharded_pairs.extend(tf.fsdp2_parameter_pairs(module))
         children = [(child, prefix if is_wrapper_edge(module, name) else f"{prefix}{name}.")
                     for name, child in module._modules.items() if child is not None]
         # Reversed so the pop order follows registration order (like named_parameters).
         stack.extend(reversed(children))
+    # FSDP2 registers either the shard or the unsharded parameter; the other one has the same name
+    # (a micro-step without gradient sync leaves its gradient on the unsharded one, now unregistered).
+    for pair in sharded_pairs:
+        named = [names[id(tensor)][1] for tensor in pair if id(tensor) in names]
+        for tensor in pair:
+            if named and id(tensor) not in names:
+                names[id(tensor)] = (tensor, named[0])
     return names
 
 

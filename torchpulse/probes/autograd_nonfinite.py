@@ -108,8 +108,10 @@ class GradCheck:
             # DTensor (FSDP2/TP): reduce the local shard; a collective here
             # could deadlock ranks that disagree about when to check.
             grad = getattr(grad, "_local_tensor", grad)
-            # FSDP frees unsharded storage between uses; there is nothing to read.
-            if param.untyped_storage().size() == 0 or grad.untyped_storage().size() == 0:
+            # FSDP frees unsharded storage between uses: a freed gradient has nothing to read. The
+            # parameter's storage does not matter: an FSDP2 micro-step without gradient sync frees
+            # the unsharded parameter but keeps its gradient, the only copy of this rank's NaN.
+            if grad.untyped_storage().size() == 0:
                 continue
             refs, grads = groups.setdefault((grad.device, grad.dtype), ([], []))
             refs.append(ref)
