@@ -9,7 +9,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from torchpulse.probes import exit_status
-from torchpulse.probes.config import AgentConfig
+from torchpulse.probes.config import AgentConfig, OptionError
 from torchpulse.probes.identity import current_identity
 from torchpulse.probes.logs import get_logger
 
@@ -100,6 +100,9 @@ def _make_probe(name: str, agent: Agent) -> Probe | None:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
         probe: Probe = cls(agent)
+    except OptionError as exc:
+        log.warning("probe option invalid; probe skipped", probe=name, error=str(exc))
+        return None
     except Exception as exc:
         log.warning("probe unavailable on this torch; skipped", probe=name, error=repr(exc))
         return None

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torchpulse.probes.config import OptionError, int_option, option_variable
+
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -44,13 +46,20 @@ class AutogradConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> AutogradConfig:
+        """Raises OptionError naming the variable of a value that cannot be used."""
         values: dict[str, Any] = {}
         for spec in fields(cls):
-            raw = options.get(f"autograd_{spec.name}")
+            name = f"autograd_{spec.name}"
+            raw = options.get(name)
             if raw is None:
                 continue
-            values[spec.name] = _parse_bool(spec.name, raw) if spec.type == "bool" else int(raw)
-        return cls(**values)
+            values[spec.name] = _parse_bool(name, raw) if spec.type == "bool" else int_option(
+                options, name, 0, minimum=-(1 << 63))
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            given = ", ".join(option_variable(f"autograd_{k}") for k in sorted(values))
+            raise OptionError(f"{exc} (set by {given})") from None
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -59,4 +68,4 @@ def _parse_bool(name: str, raw: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"autograd {name}: expected a boolean, got {raw!r}")
+    raise OptionError(f"{option_variable(name)}: expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")

@@ -25,6 +25,7 @@ from torchpulse.probes.compile_reasons import (
     parse_graph_break,
     short_path,
 )
+from torchpulse.probes.config import int_option
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
 
@@ -118,7 +119,7 @@ class CompileProbe(Probe):
 
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
-        top_k = int(agent.config.options.get("compile_top_k", DEFAULT_TOP_K))
+        top_k = int_option(agent.config.options, "compile_top_k", DEFAULT_TOP_K, minimum=1)
         self._top_k = top_k
         self._taps: list[LogTap] = []
         self._graph_breaks: LogTap | None = None

@@ -12,6 +12,29 @@ from torchpulse.paths import agent_socket_path
 DEFAULT_PROBES = ("optimizer", "autograd", "compile", "cudagraphs", "checkpoint")
 
 
+class OptionError(ValueError):
+    """A probe option that cannot be used; the message names the variable that set it."""
+
+
+def option_variable(name: str) -> str:
+    """The environment variable that sets probe option `name` (`attach(options=...)` uses `name`)."""
+    return f"TORCHPULSE_OPT_{name.upper()}"
+
+
+def int_option(options: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    """Probe option `name` as an integer >= `minimum`, or `default` when unset."""
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise OptionError(f"{option_variable(name)}: expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise OptionError(f"{option_variable(name)}: must be >= {minimum}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     socket_path: Path
@@ -46,7 +69,7 @@ class AgentConfig:
         if env.get("TORCHPULSE_PROBES"):
             values["probes"] = tuple(p.strip() for p in env["TORCHPULSE_PROBES"].split(",") if p.strip())
         if env.get("TORCHPULSE_FLUSH_INTERVAL"):
-            values["flush_interval"] = float(env["TORCHPULSE_FLUSH_INTERVAL"])
+            values["flush_interval"] = _seconds(env["TORCHPULSE_FLUSH_INTERVAL"], "TORCHPULSE_FLUSH_INTERVAL")
         values["options"] = {
             k[len("TORCHPULSE_OPT_"):].lower(): v for k, v in env.items() if k.startswith("TORCHPULSE_OPT_")
         }
@@ -54,3 +77,13 @@ class AgentConfig:
         if isinstance(values["socket_path"], str):
             values["socket_path"] = Path(values["socket_path"])
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _seconds(raw: str, variable: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{variable}: expected seconds (a number > 0), got {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{variable}: expected seconds (a number > 0), got {raw!r}")
+    return value

@@ -31,6 +31,7 @@ from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe
 from torchpulse.probes.compile_logtap import LogTap
 from torchpulse.probes.compile_reasons import classify_cudagraph_skip, classify_rerecord
+from torchpulse.probes.config import int_option
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.optimizer import OptimizerLabels
 
@@ -128,7 +129,8 @@ class CudaGraphProbe(Probe):
 
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
-        self.every = int(agent.config.options.get("cudagraph_readiness_every", agent.config.optimizer_state_every))
+        self.every = int_option(agent.config.options, "cudagraph_readiness_every", agent.config.optimizer_state_every,
+                                minimum=1)
         self._callbacks: _Callbacks | None = None
         self._taps: list[LogTap] = []
         self._labels = OptimizerLabels()  # when the optimizer probe is off

@@ -1,0 +1,46 @@
+"""Bad TORCHPULSE_* settings in a job's environment: one line that names the variable, and the job trains."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support import run_job
+
+JOB = """
+import torch
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("trained")
+"""
+
+
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("TORCHPULSE_FLUSH_INTERVAL", "abc", "agent not attached: ValueError(\"TORCHPULSE_FLUSH_INTERVAL: expected seconds"),
+    ("TORCHPULSE_FLUSH_INTERVAL", "-1", "agent not attached: ValueError(\"TORCHPULSE_FLUSH_INTERVAL: expected seconds"),
+    ("TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY", "x",
+     "probe option invalid; probe skipped (probe='autograd' error=\"TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY: expected an"),
+    ("TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY", "-5", "(set by TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY)"),
+    ("TORCHPULSE_OPT_AUTOGRAD_NONFINITE", "maybe", "TORCHPULSE_OPT_AUTOGRAD_NONFINITE: expected a boolean"),
+    ("TORCHPULSE_OPT_COMPILE_TOP_K", "-3",
+     "probe option invalid; probe skipped (probe='compile' error='TORCHPULSE_OPT_COMPILE_TOP_K: must be >= 1, got -3')"),
+    ("TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY", "0", "TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY: must be >= 1, got 0"),
+])
+def test_a_bad_setting_is_one_line_naming_its_variable_and_the_job_trains(tmp_path: Path, variable: str,
+                                                                         value: str, says: str) -> None:
+    """A bad option used to read "probe unavailable on this torch" or a bare float() error, or (a negative
+    top K) to pass unchecked."""
+    env = {**os.environ, "TORCHPULSE_SOCKET": str(tmp_path / "no-daemon.sock"), variable: value}
+    result = run_job(JOB, tmp_path, "bad-settings", env)
+    assert 0 == result.returncode, result.stderr
+    assert "trained" in result.stdout
+    named = [line for line in result.stderr.splitlines() if variable in line]
+    assert 1 == len(named), result.stderr
+    assert says in named[0], named[0]
+    assert "unavailable on this torch" not in result.stderr
