@@ -201,3 +201,16 @@ def run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: s
     return subprocess.run(
         [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+
+def run_inline_ranks(source: str, tmp: Path, timeout: float, world: int = 2) -> list[tuple[str, str, int]]:
+    """`python -c SOURCE RANK TMP/store TMP` for each rank, with RANK and WORLD_SIZE set as torchrun sets
+    them; (stdout, stderr, exit status) of each, in rank order."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", source, str(r), str(tmp / "store"), str(tmp)],
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world)})
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    return [(out, err, p.returncode) for (out, err), p in zip(outputs, procs, strict=True)]

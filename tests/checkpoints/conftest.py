@@ -12,8 +12,10 @@ import pytest
 SAVE_SCRIPT = Path(__file__).with_name("ckpt_save.py")
 
 
-def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0) -> list[int]:
-    """Start `world` real processes that save together over gloo; return their exit codes.
+def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0, script: Path = SAVE_SCRIPT) -> list[int]:
+    """Start `world` real processes of `script KIND OUT RANK WORLD STORE` that save together over gloo.
+
+    Each rank touches `OUT/.done-KIND-RANK` when it finished; returns their exit codes.
 
     A rank that finished its save and `destroy_process_group()` and then aborted
     (SIGABRT) at interpreter exit counts as 0: on torch 2.13, with 4 gloo ranks
@@ -24,7 +26,7 @@ def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0) -> list[
     store = out / f".store-{kind}-{world}"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SAVE_SCRIPT), kind, str(out), str(r), str(world), str(store)],
+            [sys.executable, str(script), kind, str(out), str(r), str(world), str(store)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -222,7 +221,7 @@ def save_distributed(out: Path, rank: int, world: int, store: str) -> None:
     }
     dcp.save(placements, checkpoint_id=out / "placements")
     dist.destroy_process_group()
-    (out / f".done-{rank}").touch()
+    (out / f".done-dist-{rank}").touch()
 
 
 if __name__ == "__main__":
@@ -376,36 +375,12 @@ def test_cli_json_on_a_file_per_item_checkpoint(variants: Path, capsys: pytest.C
 # --- several real ranks -------------------------------------------------------------------
 
 
-def run_ranks(out: Path, world: int, timeout: float = 180.0) -> list[int]:
-    """Start `world` processes that save together over gloo; a SIGABRT after finishing counts as 0 (see conftest)."""
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / ".store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), "dist", str(out), str(r), str(world), str(store)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for r in range(world)
-    ]
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    store.unlink(missing_ok=True)
-    done = [(out / f".done-{r}").exists() for r in range(world)]
-    for r in range(world):
-        (out / f".done-{r}").unlink(missing_ok=True)
-    return [0 if c == -signal.SIGABRT and d else c for c, d in zip(codes, done, strict=True)]
-
-
 @pytest.fixture(scope="module")
 def dist_variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dist_variants")
-    assert [0, 0] == run_ranks(root, 2)
+    from tests.checkpoints.conftest import run_ranks  # here: this file also runs as the ranks' script
+
+    assert [0, 0] == run_ranks("dist", root, 2, timeout=180.0, script=SCRIPT)
     return root
 
 

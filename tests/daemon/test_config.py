@@ -62,12 +62,16 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
 def test_bad_config_file_exits_non_zero_with_one_clear_line(tmp_path: Path) -> None:
     """`torchpulse daemon --config bad.toml` prints one error naming file and key, exits 2."""
     path = tmp_path / "bad.toml"
-    path.write_text('[runs]\ngrace_period_seconds = -1\n')
+    assert (2, [f"torchpulse: invalid configuration: {path}: runs.grace_period_seconds: must be >= 0"]) == (
+        _start_with(path, '[runs]\ngrace_period_seconds = -1\n'))
+
+
+def _start_with(path: Path, config: str) -> tuple[int, list[str]]:
+    """`torchpulse daemon --config PATH` with `config` in PATH: exit status and stderr lines."""
+    path.write_text(config)
     result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
                             capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert 2 == result.returncode
-    assert [f"torchpulse: invalid configuration: {path}: runs.grace_period_seconds: must be >= 0"] == (
-        result.stderr.strip().splitlines())
+    return result.returncode, result.stderr.strip().splitlines()
 
 
 def test_a_socket_path_of_107_bytes_is_the_longest_accepted(tmp_path: Path) -> None:
@@ -96,9 +100,5 @@ def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tm
 def test_a_bad_checkpoints_section_names_the_file_like_the_other_sections(tmp_path: Path) -> None:
     """`[checkpoints]` is parsed after the file is read, by its owner; its errors still say which file."""
     path = tmp_path / "bad.toml"
-    path.write_text('[checkpoints]\nroots = ["relative/dir"]\n')
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert 2 == result.returncode
-    assert [f"torchpulse: invalid configuration: {path}: checkpoints.roots: 'relative/dir' is not an absolute path"
-            ] == result.stderr.strip().splitlines()
+    expected = f"torchpulse: invalid configuration: {path}: checkpoints.roots: 'relative/dir' is not an absolute path"
+    assert (2, [expected]) == _start_with(path, '[checkpoints]\nroots = ["relative/dir"]\n')

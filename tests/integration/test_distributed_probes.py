@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import REPO
+from tests.support import run_inline_ranks
 
 # One run of both ranks records every fact the tests below assert on (each run costs seconds).
 RANK = r"""
@@ -142,15 +139,9 @@ print(json.dumps(facts))
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of the 2 ranks recorded, phase by phase."""
     tmp = tmp_path_factory.mktemp("distributed")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", RANK, str(r), str(tmp / "store"), str(tmp)],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})  # as torchrun sets them
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=180) for p in procs]
-    assert [0, 0] == [p.returncode for p in procs], [err[-3000:] for _, err in outputs]
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    results = run_inline_ranks(RANK, tmp, timeout=180)
+    assert [0, 0] == [code for _, _, code in results], [err[-3000:] for _, err, _ in results]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _, _ in results]
 
 
 # Phases in the order the ranks ran them: counters are totals since the process started.

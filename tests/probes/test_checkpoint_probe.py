@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import REPO, local_agent
+from tests.support import REPO, local_agent, run_inline_ranks
 from torchpulse.probes.checkpoint import checkpoint_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -328,15 +328,9 @@ dist.destroy_process_group()
 def test_every_rank_asks_for_validation_of_its_own_no_dist_save(tmp_path: Path) -> None:
     """A `no_dist=True` save is a whole checkpoint of this process alone (it writes its own `.metadata`): rank 1's
     lands where rank 0 never announces, so rank 1 asks for its validation too."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", NO_DIST_RANK, str(r), str(tmp_path / "store"), str(tmp_path)],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})  # as torchrun sets them
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert [f"[('/rank{r}/ck', True)]" for r in range(2)] == [out.strip() for out, _ in outputs], [
-        err[-2000:] for _, err in outputs]
+    results = run_inline_ranks(NO_DIST_RANK, tmp_path, timeout=120)
+    assert [f"[('/rank{r}/ck', True)]" for r in range(2)] == [out.strip() for out, _, _ in results], [
+        err[-2000:] for _, err, _ in results]
 
 
 def test_a_save_without_a_process_group_is_validated_on_any_rank(monkeypatch: pytest.MonkeyPatch,
