@@ -20,6 +20,7 @@ from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.daemon.checkpoint_state import DB_NAME
+from torchpulse.protocol import StatusRequest, encode
 
 # A config an editor saved in Latin-1 ("é" is byte 0xe9), and one nested past Python's recursion limit.
 NOT_UTF8 = b"# r\xe9glages du n\x9cud\n[runs]\nseries_limit_per_run = 7\n"
@@ -171,3 +172,29 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
         assert service._store.key_of(str(dropped / "step-2")) is not None
 
     _run(tmp_path, config, body)
+
+
+def test_an_agent_socket_removed_while_running_is_bound_again(tmp_path: Path) -> None:
+    """`rm -r` of the socket's directory left the daemon listening on a file nobody could reach: no agent could
+    connect or reconnect and `torchpulse status` found no daemon until a restart, and nothing was logged."""
+    socket_path = tmp_path / "run" / "agent.sock"
+    daemon = start_daemon(tmp_path, socket_path=socket_path)
+    try:
+        before = socket.socket(socket.AF_UNIX)
+        before.connect(str(socket_path))
+        shutil.rmtree(socket_path.parent)
+        wait_for(lambda: bool(_events(daemon, "agent socket removed while running; bound again")))
+        with before:  # a connection accepted before the rebind is still served
+            before.settimeout(10)
+            before.sendall(encode(StatusRequest()))
+            assert before.recv(65536)
+        [event] = _events(daemon, "agent socket removed while running; bound again")
+        assert "warning" == event["level"]
+        status = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket", str(socket_path)],
+                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert 0 == status.returncode, status.stderr
+        assert "torchpulse daemon" in status.stdout
+        assert (None, True) == (daemon.proc.poll(), _serves(daemon))
+    finally:
+        assert 0 == daemon.stop()
+    assert not socket_path.exists()  # the new socket file is removed at the stop, like the first

@@ -105,6 +105,39 @@ class AgentServer:
         else:
             self._server = await asyncio.start_unix_server(self._serve, sock=sock)
 
+    async def rebind_if_removed(self) -> None:
+        """Bind the socket path again when its file went away (`rm -r` of its directory, a cleaner).
+
+        Connected agents keep their connections, but without the file no agent can
+        connect or reconnect and `torchpulse status` finds no daemon until a restart.
+        A path that now holds something else (another daemon's socket) is left to it.
+        A socket systemd passed in is systemd's to keep.
+        """
+        if self._bound is None or self._server is None:
+            return
+        path, inode = self._bound
+        try:
+            path.lstat()
+            return  # still there: ours, or another's (logged at its bind, not stolen here)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+        try:
+            _prepare_socket_path(path)
+            server = await asyncio.start_unix_server(self._serve, path=str(path))
+            path.chmod(0o660)
+        except OSError as exc:
+            if self._bound != (path, -1):
+                log.error("agent socket removed while running and cannot be bound again; new agents cannot "
+                          "connect until a restart", path=str(path), error=str(exc))
+                self._bound = (path, -1)  # logged once; retried every housekeeping tick
+            return
+        old, self._server = self._server, server
+        old.close()  # its socket file is gone: nobody can reach it; open connections stay
+        self._bound = (path, path.lstat().st_ino)
+        log.warning("agent socket removed while running; bound again", path=str(path), old_inode=inode)
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

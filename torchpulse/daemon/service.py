@@ -162,6 +162,7 @@ class Daemon:
             if self._reload_requested:
                 self._reload_requested = False
                 self.reload()
+            await self.agents.rebind_if_removed()
             textfile = self.config.daemon.textfile
             now = time.monotonic()
             if now - last_status >= STATUS_INTERVAL:
