@@ -86,6 +86,7 @@ class AgentServer:
         self._server: asyncio.AbstractServer | None = None
         # The socket file this daemon bound (not one systemd passed in), and its inode.
         self._bound: tuple[Path, int] | None = None
+        self._rebind_error: str | None = None
         self._last_reject_log: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.max_connections = connection_limit()
@@ -97,13 +98,18 @@ class AgentServer:
         """Listen on `path`, or on an already bound socket (socket activation)."""
         if sock is None:
             assert path is not None
-            _prepare_socket_path(path)
-            self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-            # Owner and group; systemd's socket unit sets its own mode instead.
-            path.chmod(0o660)
-            self._bound = (path, path.lstat().st_ino)
+            self._server = await self._listen_at(path)
         else:
             self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+
+    async def _listen_at(self, path: Path) -> asyncio.AbstractServer:
+        """Bind `path` (its directory made, a stale socket removed) and remember the file as this daemon's."""
+        _prepare_socket_path(path)
+        server = await asyncio.start_unix_server(self._serve, path=str(path))
+        # Owner and group; systemd's socket unit sets its own mode instead.
+        path.chmod(0o660)
+        self._bound = (path, path.lstat().st_ino)
+        return server
 
     async def rebind_if_removed(self) -> None:
         """Bind the socket path again when its file went away (`rm -r` of its directory, a cleaner).
@@ -124,18 +130,16 @@ class AgentServer:
         except OSError:
             return
         try:
-            _prepare_socket_path(path)
-            server = await asyncio.start_unix_server(self._serve, path=str(path))
-            path.chmod(0o660)
+            server = await self._listen_at(path)
         except OSError as exc:
-            if self._bound != (path, -1):
+            if self._rebind_error != str(exc):  # logged once per reason; retried every housekeeping tick
+                self._rebind_error = str(exc)
                 log.error("agent socket removed while running and cannot be bound again; new agents cannot "
                           "connect until a restart", path=str(path), error=str(exc))
-                self._bound = (path, -1)  # logged once; retried every housekeeping tick
             return
+        self._rebind_error = None
         old, self._server = self._server, server
         old.close()  # its socket file is gone: nobody can reach it; open connections stay
-        self._bound = (path, path.lstat().st_ino)
         log.warning("agent socket removed while running; bound again", path=str(path), old_inode=inode)
 
     async def close(self) -> None:
