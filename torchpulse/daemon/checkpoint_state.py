@@ -179,10 +179,9 @@ class StateStore:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fresh = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
+            fresh = _open(self.path)  # set up as at start; the backup then replaces every page
             try:
                 self._db.backup(fresh)
-                fresh.execute("PRAGMA journal_mode=WAL")
             except BaseException:
                 fresh.close()
                 raise
