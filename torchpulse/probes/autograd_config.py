@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torchpulse.probes.config import OptionError, int_option, option_variable
+from torchpulse.probes.config import OptionError, option_variable, parse_int_option
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -53,8 +53,8 @@ class AutogradConfig:
             raw = options.get(name)
             if raw is None:
                 continue
-            values[spec.name] = _parse_bool(name, raw) if spec.type == "bool" else int_option(
-                options, name, 0, minimum=-(1 << 63))
+            # Ranges are the dataclass's to check (below), with every setting given named.
+            values[spec.name] = _parse_bool(name, raw) if spec.type == "bool" else parse_int_option(name, raw)
         try:
             return cls(**values)
         except ValueError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,15 +22,20 @@ def option_variable(name: str) -> str:
     return f"TORCHPULSE_OPT_{name.upper()}"
 
 
+def parse_int_option(name: str, raw: str) -> int:
+    """The value `raw` of probe option `name` as an integer."""
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise OptionError(f"{option_variable(name)}: expected an integer, got {raw!r}") from None
+
+
 def int_option(options: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     """Probe option `name` as an integer >= `minimum`, or `default` when unset."""
     raw = options.get(name)
     if raw is None:
         return default
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise OptionError(f"{option_variable(name)}: expected an integer, got {raw!r}") from None
+    value = parse_int_option(name, raw)
     if value < minimum:
         raise OptionError(f"{option_variable(name)}: must be >= {minimum}, got {value}")
     return value
@@ -83,7 +89,7 @@ def _seconds(raw: str, variable: str) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{variable}: expected seconds (a number > 0), got {raw!r}") from None
-    if not 0 < value < float("inf"):
+        value = math.nan
+    if not 0 < value < math.inf:  # nan fails too
         raise ValueError(f"{variable}: expected seconds (a number > 0), got {raw!r}")
     return value
