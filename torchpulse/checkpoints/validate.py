@@ -121,14 +121,14 @@ def data_findings(ckpt: Checkpoint, report: DataReport) -> list[Finding]:
     # Optimizers whose param groups only the bytes items tell (several params lists, the
     # flat layout): TP-CKPT-014 is decided here, the others' at the metadata level.
     known = optimizer.param_groups(layout, {})
-    groups = {opt: g for opt, g in optimizer.param_groups(layout, items).items() if opt not in known}
+    groups = optimizer.param_groups(layout, items)
     return [
         *data.item_problems(report.problems),
         *data.stored_matches_metadata(ckpt, report.tensors),
         *data.unverifiable_bytes(report.bytes_items),
-        *optimizer.state_presence(layout, groups),
+        *optimizer.state_presence(layout, {opt: g for opt, g in groups.items() if opt not in known}),
         *optimizer.params_lists(layout, items),
-        *optimizer.step_consistency(layout, report.tensors, items),
+        *optimizer.step_consistency(layout, report.tensors, items, groups),
         *optimizer.state_values(layout, report.tensors),
     ]
 

@@ -308,13 +308,16 @@ def step_consistency(
     layout: OptimizerLayout,
     tensors: Sequence[StoredTensor],
     items: Mapping[str, StoredBytes],
+    groups: Mapping[str, Mapping[str, Hashable]] | None = None,
 ) -> list[Finding]:
     """TP-CKPT-016: every parameter of one param group took the same number of steps.
 
     A group added later (`add_param_group`) legitimately has fewer; a parameter whose
-    group is unknown is compared with the optimizer's other such parameters.
+    group is unknown is compared with the optimizer's other such parameters. `groups`
+    is `param_groups(layout, items)`, when the caller has it already.
     """
-    groups = param_groups(layout, items)
+    if groups is None:
+        groups = param_groups(layout, items)
     # Keyed by the value itself (1 == 1.0 share a key): float() of a hostile 10**400 raises.
     steps: dict[tuple[str, Hashable], dict[int | float, list[str]]] = defaultdict(lambda: defaultdict(list))
     scalars = {t.key: t.scalar for t in tensors if t.scalar is not None}
