@@ -193,6 +193,31 @@ def overview() -> list[Panel]:
             height=7,
             transformations=[{"id": "merge", "options": {}}],
         ),
+        panel(
+            "table",
+            "Blind spots: failed probes, refused series, stalled ranks",
+            "none",
+            "What torchpulse cannot see right now. A probe that raised disabled itself "
+            "(TorchpulseProbeFailed): its metrics stop for that rank. Series refused by the per-run "
+            "series limit (TorchpulseSeriesRejected) are missing from every panel. A connected rank "
+            "with no optimizer step in 10 minutes may hang (TrainingStalled).",
+            [
+                q(f"max by (run, rank, probe) (torchpulse_agent_probe_errors_total{{{SEL}}}) > 0",
+                  instant=True, table=True),
+                q(f"max by (instance, run) (torchpulse_run_series_rejected{{{RUN}}}) > 0", instant=True, table=True),
+                q(
+                    f"sum by (instance, run, rank) (increase(torchpulse_optimizer_steps_total{{{SEL}}}[10m])) == 0 "
+                    f"and on (instance, run, rank) max by (instance, run, rank) (torchpulse_agent_up{{{SEL}}}) == 1 "
+                    f"and on (instance, run, rank) max by (instance, run, rank) "
+                    f"(torchpulse_agent_probe_enabled{{{SEL}, probe=\"optimizer\"}}) == 1",
+                    instant=True,
+                    table=True,
+                ),
+            ],
+            width=24,
+            height=5,
+            transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True}}}],
+        ),
     ]
 
 
@@ -297,10 +322,17 @@ def compilation() -> list[Panel]:
             "timeseries",
             "Recompiles by reason",
             "cpm",
-            "torch.compile recompilations per minute by classified guard-failure reason. Red "
+            "torch.compile recompilations per minute by classified guard-failure reason, on the "
+            "rank that recompiles most (the ranks of a data-parallel job recompile together). Red "
             "(RecompilationStorm): make the changing shape dynamic or turn the changing Python "
             "value into a tensor.",
-            [q(f"60 * sum by (run, reason) (rate(torchpulse_recompiles_total{{{SEL}}}[{RI}]))", "{{run}} {{reason}}")],
+            [
+                q(
+                    f"60 * max by (run, reason) (sum by (run, rank, reason) "
+                    f"(rate(torchpulse_recompiles_total{{{SEL}}}[{RI}])))",
+                    "{{run}} {{reason}}",
+                )
+            ],
             red_above=3,
         ),
         panel(
@@ -417,11 +449,12 @@ def cudagraphs() -> list[Panel]:
             "timeseries",
             "CUDA-graph re-recordings by reason",
             "cpm",
-            "Re-recordings per minute by reason. Red (CudagraphRerecording): make the "
-            "changing input static or mark the dimension dynamic.",
+            "Re-recordings per minute by reason, on the rank that re-records most. Red "
+            "(CudagraphRerecording): make the changing input static or mark the dimension dynamic.",
             [
                 q(
-                    f"60 * sum by (run, reason) (rate(torchpulse_cudagraph_rerecords_total{{{SEL}}}[{RI}]))",
+                    f"60 * max by (run, reason) (sum by (run, rank, reason) "
+                    f"(rate(torchpulse_cudagraph_rerecords_total{{{SEL}}}[{RI}])))",
                     "{{run}} {{reason}}",
                 )
             ],

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_files import Rule, dashboard_targets, grafana_to_promql
+from dashboard_files import Family, Rule, dashboard_targets, grafana_to_promql
+from prometheus_client.parser import text_string_to_metric_families
 
 RUN = "live-prometheus"
 # Families the CPU demo job and the daemon produce; a query over these alone must return data.
@@ -96,10 +97,32 @@ def _metrics(expr: str) -> set[str]:
     return set(re.findall(r"(?<![:\w])(torchpulse_[a-z0-9_]+)(?![:\w])", expr))
 
 
+def contract_mismatches(exposition: str, contract: dict[str, Family]) -> dict[str, tuple[str, str]]:
+    """Families of a real scrape that metrics.txt lacks or lists with another type or other labels."""
+    kinds = {"info": "gauge"}  # run_info and build_info are exposed as gauges
+    mismatches: dict[str, tuple[str, str]] = {}
+    for family in text_string_to_metric_families(exposition):
+        name = family.name + "_total" if family.type == "counter" else family.name
+        labels = sorted({label for sample in family.samples for label in sample.labels} - {"le"})
+        exported = f"{family.type} {','.join(labels)}"
+        listed = contract.get(name)
+        # A family with no sample yet (no findings, no rank) shows its type only.
+        listed_labels = ",".join(sorted(listed.labels)) if listed and family.samples else ""
+        expected = f"{kinds.get(listed.kind, listed.kind)} {listed_labels}" if listed else "missing"
+        if exported != expected:
+            mismatches[name] = (exported, expected)
+    return mismatches
+
+
 def test_every_dashboard_and_rule_expression_runs_against_live_data(
-    tmp_path: Path, dashboard: dict[str, Any], rules: list[Rule], require_tool: Callable[[str], str]
+    tmp_path: Path,
+    dashboard: dict[str, Any],
+    rules: list[Rule],
+    contract: dict[str, Family],
+    require_tool: Callable[[str], str],
 ) -> None:
-    """Daemon + demo job + Prometheus (1 s scrapes): all queries succeed, exercised panels have data."""
+    """Daemon + demo job + Prometheus (1 s scrapes): all queries succeed, exercised panels have data, and
+    every family the daemon really exports is in metrics.txt with its type and labels."""
     try:
         import torchpulse.cli  # noqa: F401
     except ImportError as exc:
@@ -142,6 +165,8 @@ def test_every_dashboard_and_rule_expression_runs_against_live_data(
             time.sleep(5)  # several more scrapes, so every rate() window holds samples
 
             run_values = _get(f"{base}/api/v1/label/run/values?match[]=torchpulse_run_info")["data"]
+            with urllib.request.urlopen(metrics_url, timeout=10) as response:
+                exposition = response.read().decode()
             errors, empty, with_data = [], [], 0
             queries = [(title, grafana_to_promql(expr, run=RUN)) for title, expr in dashboard_targets(dashboard)]
             queries += [(f"rule {rule.name}", rule.expr) for rule in rules]
@@ -156,5 +181,6 @@ def test_every_dashboard_and_rule_expression_runs_against_live_data(
 
     print(f"{len(queries)} queries ran, {with_data} returned data")
     assert RUN in run_values
+    assert contract_mismatches(exposition, contract) == {}
     assert errors == []
     assert empty == []

@@ -24,6 +24,11 @@ REQUIRED_ALERTS = {
     "TorchpulseEventsDropped",
     "TorchpulseRankClaimedTwice",
     "TorchpulseCollectorFailing",
+    "TrainingStalled",
+    "TorchpulseDaemonDown",
+    "TorchpulseProbeFailed",
+    "TorchpulseSeriesRejected",
+    "CheckpointValidationError",
 }
 
 
