@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -165,6 +166,12 @@ def test_stale_metadata_says_by_how_much_and_names_a_copy_without_timestamps_as_
     [finding] = commit.stale_metadata(ckpt)
     assert f"modified {(newer - 10) / 1e9:.3f} s after the metadata" in finding.message
     assert "copied without keeping timestamps" in finding.message and "cp -p" in finding.message
+
+
+def test_stale_metadata_needs_a_metadata_file() -> None:
+    """A safetensors layout without an index has no metadata: its files are not "modified after" it."""
+    ckpt = replace(checkpoint([tensor("w", (2,))], metadata_mtime=10), metadata_files=())
+    assert [] == commit.stale_metadata(ckpt)
 
 
 def test_items_past_eof_and_overlapping() -> None:

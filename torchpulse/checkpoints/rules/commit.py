@@ -53,6 +53,10 @@ def commit_state(files: Mapping[str, FileInfo]) -> list[Finding]:
 
 def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-004: a file the metadata references changed after the metadata was written."""
+    if not ckpt.metadata_files:
+        # A safetensors layout without an index (a Hugging Face Trainer's `checkpoint-N/`): there is
+        # no metadata to be older than its files, and time 0 would flag every one of them.
+        return []
     committed_at = ckpt.metadata_mtime_ns
     referenced = {s.relative_path for s in ckpt.storage}
     # Timestamps are all this rule has, and a copy that does not keep them (cp without -p,
