@@ -18,6 +18,10 @@ from torchpulse.daemon.watcher import is_metadata_name
 
 # Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked.
 MAX_DEPTH: Final = 4
+# Only DCP writes `.distcp` files, so only they make a directory without `.metadata` a save that has not
+# committed. Safetensors files also come from Hugging Face's Trainer and `save_pretrained` (and DCP's own
+# HuggingFaceStorageWriter), which never write a `.metadata`: such a directory is no unfinished DCP save.
+UNCOMMITTED_SUFFIXES: Final = (".distcp",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,14 +34,20 @@ class Committed:
 @dataclass(frozen=True, slots=True)
 class Uncommitted:
     path: str
-    # mtime of the newest data file: the save is given up on this long after it.
+    # mtime of the newest `.distcp` file: what identifies this state of the save.
     newest_write: float
+    # The later of that and the directory's mtime: the save is given up on this long after it. Removing
+    # `.metadata` touches the directory, so a checkpoint that retention is deleting (`.metadata` gone, old
+    # shards still there) or that an overwrite in place is committing again is not an old unfinished save.
+    settled_at: float
 
 
 @dataclass(frozen=True, slots=True)
 class Scan:
     committed: list[Committed] = field(default_factory=list)
     uncommitted: list[Uncommitted] = field(default_factory=list)
+    # Directories with safetensors files and no DCP `.metadata` (Hugging Face layouts): not validated.
+    unvalidated: list[str] = field(default_factory=list)
 
 
 def _metadata_names(names: list[str]) -> list[str]:
@@ -60,8 +70,9 @@ def metadata_key(path: str) -> tuple[str, float] | None:
     return key, max(st.st_mtime for st in stats)
 
 
-def newest_data_write(directory: str, names: Iterable[str]) -> float | None:
-    """mtime of the newest data file among `names`, or None when there is none.
+def newest_data_write(directory: str, names: Iterable[str],
+                      suffixes: tuple[str, ...] = DATA_SUFFIXES) -> float | None:
+    """mtime of the newest data file (by `suffixes`) among `names`, or None when there is none.
 
     Only regular files count (symlinks followed): a dangling shard symlink or a
     directory named `*.distcp` is no data, and the sweep and the validation must
@@ -69,7 +80,7 @@ def newest_data_write(directory: str, names: Iterable[str]) -> float | None:
     """
     newest: float | None = None
     for name in names:
-        if not name.endswith(DATA_SUFFIXES):
+        if not name.endswith(suffixes):
             continue
         try:
             st = (Path(directory) / name).stat()
@@ -78,6 +89,18 @@ def newest_data_write(directory: str, names: Iterable[str]) -> float | None:
         if stat.S_ISREG(st.st_mode):
             newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
     return newest
+
+
+def uncommitted(directory: str, names: list[str]) -> Uncommitted | None:
+    """`directory` as a DCP save without `.metadata`, or None when it holds no `.distcp` file."""
+    newest = newest_data_write(directory, names, UNCOMMITTED_SUFFIXES)
+    if newest is None:
+        return None
+    try:
+        touched = Path(directory).stat().st_mtime
+    except (OSError, ValueError):
+        touched = newest
+    return Uncommitted(directory, newest, max(newest, touched))
 
 
 def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
@@ -101,9 +124,11 @@ def _scan(root: str, max_depth: int) -> Scan:
             # A checkpoint's own subdirectories are not other checkpoints.
             dirnames.clear()
             continue
-        newest = newest_data_write(dirpath, filenames)
-        if newest is not None:
-            result.uncommitted.append(Uncommitted(dirpath, newest))
+        save = uncommitted(dirpath, filenames)
+        if save is not None:
+            result.uncommitted.append(save)
+        elif newest_data_write(dirpath, filenames) is not None:
+            result.unvalidated.append(dirpath)
     return result
 
 

@@ -35,7 +35,15 @@ from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_mounts import Mount, read_mounts
 from torchpulse.daemon.checkpoint_roots import SETTLE_SECONDS, RootWatches, log_crash
-from torchpulse.daemon.checkpoint_scan import Scan, deleted, metadata_key, newest_data_write, scan
+from torchpulse.daemon.checkpoint_scan import (
+    Scan,
+    Uncommitted,
+    deleted,
+    metadata_key,
+    newest_data_write,
+    scan,
+    uncommitted,
+)
 from torchpulse.daemon.checkpoint_state import Record, StateStore
 from torchpulse.daemon.checkpoint_stats import CheckpointStats
 from torchpulse.daemon.offloop import off_loop
@@ -331,13 +339,13 @@ class CheckpointService:
         if path in self._again:
             self._enqueue(path, self._again.pop(path))  # validated again only if its key changed
 
-    def _log_once(self, key: str, event: str, **fields: object) -> None:
+    def _log_once(self, key: str, event: str, level: str = "warning", **fields: object) -> None:
         if key in self._logged_once:
             return
         if len(self._logged_once) >= MAX_LOGGED_ONCE:
             self._logged_once.clear()
         self._logged_once.add(key)
-        log.warning(event, **fields)
+        getattr(log, level)(event, **fields)
 
     def _usable(self, path: str) -> bool:
         """Whether a path found on disk can be validated and recorded (a non-UTF-8 name cannot)."""
@@ -360,16 +368,22 @@ class CheckpointService:
         found = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
         incomplete = found is None
         if found is None:
-            key, committed_at = await off_loop(functools.partial(_incomplete_key, path), "torchpulse-stat")
-            if key is None:
-                log.info("checkpoint vanished before validation", path=path)
+            save = await off_loop(functools.partial(_uncommitted_save, path), "torchpulse-stat")
+            if save is None:
+                await self._not_a_save(path)
                 return
-            if time.time() - committed_at < self.config.incomplete_after_seconds:
-                # Its metadata went away (an overwrite in progress): not incomplete yet.
+            if time.time() - save.settled_at < self.config.incomplete_after_seconds:
+                # Its metadata went away (an overwrite committing, retention deleting it): not incomplete yet.
                 return
+            key, committed_at = _incomplete_key_for(save.newest_write), save.newest_write
         else:
             key, committed_at = found
         if self._known_key(path) == key:
+            return
+        data_before = await off_loop(functools.partial(_newest_data, path), "torchpulse-stat")
+        if not incomplete and self._overwrite_pending(committed_at, data_before):
+            # Its shards are being rewritten under the old metadata: judged when the save commits (a new
+            # metadata), or by a sweep once they have been quiet for incomplete_after_seconds (a crashed one).
             return
         root = self._root_of(path)
         level = Level.METADATA if incomplete else Level(self.config.level)
@@ -377,7 +391,7 @@ class CheckpointService:
         result = await checkpoint_runner.validate(path, level, self._limits())
         elapsed = time.monotonic() - started
         after = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
-        if not incomplete and after is None and not await off_loop(Path(path).exists, "torchpulse-stat"):
+        if after is None and not await off_loop(Path(path).exists, "torchpulse-stat"):
             # Retention scripts delete old checkpoints all the time: not a finding, not an alert.
             log.info("checkpoint deleted during validation; result discarded", path=path, status=result.status.value)
             return
@@ -385,6 +399,12 @@ class CheckpointService:
             # Overwritten (or deleted) while it was read: that result describes nothing on disk.
             log.info("checkpoint changed during validation; validating again", path=path)
             self._enqueue(path, found_under)  # once this one has ended
+            return
+        if await off_loop(functools.partial(_newest_data, path), "torchpulse-stat") != data_before:
+            # The next save rewrites its shards in place: the worker read a mix of two saves. Its commit (a new
+            # metadata) brings it back; a sweep does, should that save crash.
+            log.info("checkpoint data rewritten during validation; result discarded", path=path,
+                     status=result.status.value)
             return
         if self._dropped(path, found_under):
             # Kept in the state store (not validated again should its root come back), exported nowhere.
@@ -394,6 +414,20 @@ class CheckpointService:
             return
         # The root now (a SIGHUP may have removed a nested root while this ran; the outer one takes it).
         self._record(path, self._root_of(path), key, committed_at, result, elapsed)
+
+    def _overwrite_pending(self, committed_at: float, newest_data: float | None) -> bool:
+        """Whether shards newer than the metadata were written too recently to call the save crashed."""
+        return (newest_data is not None and newest_data > committed_at
+                and time.time() - newest_data < self.config.incomplete_after_seconds)
+
+    async def _not_a_save(self, path: str) -> None:
+        """`path` has neither a DCP `.metadata` nor `.distcp` files: deleted meanwhile, or not DCP at all."""
+        if await off_loop(functools.partial(os.path.isdir, path), "torchpulse-stat"):
+            # An announced Hugging Face layout (DCP's HuggingFaceStorageWriter writes no `.metadata`).
+            self._log_once(f"not dcp {path}", "not a DCP checkpoint (no .metadata, no .distcp files): not validated",
+                           level="info", path=path)
+        else:
+            log.info("checkpoint vanished before validation", path=path)
 
     def _limits(self) -> Limits:
         return Limits(timeout_seconds=self.config.validation_timeout_seconds,
@@ -474,10 +508,14 @@ class CheckpointService:
         found = [(ckpt.committed_at, ckpt.path) for ckpt in result.committed if self._usable(ckpt.path)
                  and self._known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce]
         now = time.time()
-        stale = [u for u in result.uncommitted if now - u.newest_write >= self.config.incomplete_after_seconds]
+        stale = [u for u in result.uncommitted if now - u.settled_at >= self.config.incomplete_after_seconds]
         self.stats.root(self._label(root)).incomplete = len(stale)
         found += [(save.newest_write, save.path) for save in stale
                   if self._usable(save.path) and self._known_key(save.path) != _incomplete_key_for(save.newest_write)]
+        for path in result.unvalidated:
+            # Hugging Face Trainer `checkpoint-N/`, `save_pretrained` output: safetensors without a DCP commit.
+            self._log_once(f"not dcp {path}", "not a DCP checkpoint (safetensors, no .metadata): not validated",
+                           level="info", path=path, root=root)
         for _, path in sorted(found):  # oldest first: the newest is validated next
             self._enqueue(path, root)
 
@@ -528,13 +566,20 @@ def _incomplete_key_for(newest_write: float) -> str:
     return f"incomplete:{newest_write!r}"
 
 
-def _incomplete_key(path: str) -> tuple[str | None, float]:
-    """Key of a save that never committed: its newest data file's mtime (as the sweep computes it)."""
+def _names(path: str) -> list[str] | None:
     try:
-        names = [entry.name for entry in Path(path).iterdir()]
+        return [entry.name for entry in Path(path).iterdir()]
     except (OSError, ValueError):
-        return None, 0.0
-    newest = newest_data_write(path, names)
-    if newest is None:
-        return None, 0.0
-    return _incomplete_key_for(newest), newest
+        return None
+
+
+def _uncommitted_save(path: str) -> Uncommitted | None:
+    """`path` as a save that has not committed (as the sweep sees it), or None when it is none."""
+    names = _names(path)
+    return None if names is None else uncommitted(path, names)
+
+
+def _newest_data(path: str) -> float | None:
+    """mtime of the newest data file in `path`: an overwrite in place moves it."""
+    names = _names(path)
+    return None if names is None else newest_data_write(path, names)

@@ -167,6 +167,12 @@ class _SafeInotifyEmitter(InotifyEmitter):
 
 
 class _SafePollingEmitter(PollingEmitter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # lstat: a symlink below the root (`latest` -> step-N) is not walked into, as inotify does not follow
+        # one either. Followed, every checkpoint it points at would be validated a second time under the
+        # link's path, and a link to an ancestor walked until RecursionError.
+        super().__init__(*args, stat=os.lstat, **kwargs)
+
     def queue_events(self, timeout: float) -> None:
         try:
             super().queue_events(timeout)
