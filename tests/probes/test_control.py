@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,8 +109,8 @@ def test_trace_for_a_step_already_past_fails_clearly(tmp_path: Path) -> None:
         agent.control.receive(Command(2, "trace", {"steps": 2, "start_step": 2, "out": str(tmp_path)}))
         _step(model, optimizer)
         [result] = list(agent.control.results)
-        assert (False, "missed the start step 2: this rank already finished step 5; retry with a larger "
-                "start margin") == (result.ok, result.message)
+        assert (False, "missed the start step 2: this rank already finished step 5; retry with a later "
+                "--start-step, or without one") == (result.ok, result.message)
     finally:
         agent.shutdown()
 
@@ -394,5 +397,35 @@ def test_sample_sets_the_autograd_period_and_rate_zero_switches_timing_off() -> 
         assert ([(1, True, {"sample_every": 4}), (2, True, {"sample_every": 0})], sampled) == (
             [(r.id, r.ok, r.data) for r in agent.control.results],
             agent.store.value("autograd_sampled_passes_total", ()))
+    finally:
+        agent.shutdown()
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 KiB tmpfs: smaller than a trace file, which torch then leaves half-written (root only)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_trace_on_a_full_disk_names_the_cause_and_frees_the_space(full_disk: Path) -> None:
+    """Kineto only logs 'Failed to write to log file!' on the job's stderr: the answer names the cause, and
+    by then the job no longer holds the partial file torch wrote (deleted, it kept the disk full)."""
+    agent, model, optimizer = _setup()
+    try:
+        agent.control.receive(Command(1, "trace", {"steps": 5, "start_step": 2, "out": str(full_disk)}))
+        _step(model, optimizer, 8)
+        [result] = _results(agent, 1)
+        assert not result.ok
+        assert result.message.endswith(f": the file system of {full_disk} is full (0 bytes free)"), result.message
+        space = os.statvfs(full_disk)
+        assert space.f_blocks == space.f_bfree, "the job still holds the deleted partial trace file"
     finally:
         agent.shutdown()

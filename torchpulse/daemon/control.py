@@ -37,6 +37,10 @@ log = structlog.get_logger("torchpulse.daemon.control")
 # its step rate: long enough for the command to reach every rank first.
 TRACE_LEAD_SECONDS = 2.0
 MIN_TRACE_LEAD_STEPS = 3
+# How long the daemon waits for an agent's `status` (answered by its agent thread, not at a step boundary)
+# when it needs the rank's own step counter: to plan a trace, and to explain a timeout.
+STEP_QUERY_SECONDS = 1.0
+MAX_REPORTED_RATE = 1e6
 
 
 class NotAuthorized(Exception):
@@ -133,7 +137,7 @@ class ControlHub:
         wanted = sorted(run.ranks) if request.ranks is None else sorted(set(request.ranks))
         args = dict(request.args)
         if request.name == "trace" and "start_step" not in args:
-            args["start_step"] = self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
+            args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
         # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
         timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
         results = await asyncio.gather(*(
@@ -143,18 +147,51 @@ class ControlHub:
                      status=result.status, message=result.message, **who)
         return CtlReply(request.run, request.name, list(results))
 
-    @staticmethod
-    def _trace_start(states: list[RankState]) -> int:
+    async def _trace_start(self, states: list[RankState]) -> int:
         """The same first step for every rank: past the fastest one by a couple of seconds of steps."""
         ranks = [s for s in states if s.connected]
         if not ranks:
             return 1
-        lead = max(MIN_TRACE_LEAD_STEPS, max(math.ceil(_rate(s) * TRACE_LEAD_SECONDS) for s in ranks))
+        # The agents' own step counters: the optimizer metric is missing while that probe is off and
+        # frozen after `ctl disable optimizer`, which put the start in the past (every trace then failed).
+        reported = await asyncio.gather(*(self._agent_step(s) for s in ranks))
+        step = max(max(current_step(s), r[0] if r else 0) for s, r in zip(ranks, reported, strict=True))
+        rate = max(max(_rate(s), r[1] if r else 0.0) for s, r in zip(ranks, reported, strict=True))
+        lead = max(MIN_TRACE_LEAD_STEPS, math.ceil(rate * TRACE_LEAD_SECONDS))
         # A lying agent's step rate must not push the step past what msgpack carries.
-        return min(max(current_step(s) for s in ranks) + lead, MAX_STEP)
+        return min(step + lead, MAX_STEP)
+
+    async def _agent_step(self, state: RankState) -> tuple[int, float] | None:
+        """The rank's step counter and recent steps/s from its agent, or None without a usable answer."""
+        result = await self._one(state, 0, "status", {}, STEP_QUERY_SECONDS, explain=False)
+        step, rate = result.data.get("step"), result.data.get("step_rate", 0.0)
+        if result.status != "ok" or not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            return None
+        if not isinstance(rate, int | float) or not math.isfinite(rate) or not 0 <= rate <= MAX_REPORTED_RATE:
+            rate = 0.0
+        return step, float(rate)
+
+    async def _timeout_message(self, state: RankState, name: str, args: dict[str, FieldValue],
+                               timeout: float) -> str:
+        """Why a rank did not answer, asked of its agent thread: stuck, or waiting for a step boundary."""
+        head = f"no answer within {timeout:g}s"
+        reported = await self._agent_step(state)
+        if reported is None:
+            return f"{head} (its agent does not answer either: the process is stopped or hung)"
+        step = reported[0]
+        if step == 0:
+            return (f"{head}: the rank has finished no optimizer step yet, and commands apply right after "
+                    "optimizer.step() (a loop without a torch.optim optimizer never gets there)")
+        if name == "trace":
+            first, steps = args.get("start_step"), args.get("steps")
+            span = f"steps {first}..{first + steps - 1}" if isinstance(first, int) and isinstance(steps, int) \
+                else "the traced steps"
+            return (f"{head} (the rank is at step {step}; the trace of {span} still completes into its "
+                    "directory, unless the rank is stuck)")
+        return f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck)"
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
-                   timeout: float) -> RankResult:
+                   timeout: float, explain: bool = True) -> RankResult:
         if state is None:
             return RankResult(rank, "not_connected", "no such rank in this run", {})
         if not state.connected or state.channel is None:
@@ -166,16 +203,18 @@ class ControlHub:
             state.channel(encode(Command(command_id, name, args)))
             result = await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            if name == "trace":
-                return RankResult(rank, "timeout", f"no answer within {timeout:g}s (the traced steps have not all "
-                                  "run yet, or the rank is stuck; a trace still completes into its directory)", {})
-            return RankResult(rank, "timeout", f"no answer within {timeout:g}s (the rank has not reached a "
-                              "step boundary, or is stuck)", {})
+            timed_out = True
         except Disconnected:
             return RankResult(rank, "not_connected", "the rank disconnected before answering (it exited, "
                               "detached or reconnected)", {})
         except (ConnectionError, RuntimeError) as exc:
             return RankResult(rank, "failed", f"could not send: {exc}", {})
+        else:
+            timed_out = False
         finally:
             self._waiting.pop(command_id, None)
+        if timed_out:
+            # Explaining asks the agent for its step: a question that must not be explained in turn.
+            message = await self._timeout_message(state, name, args, timeout) if explain else "no answer"
+            return RankResult(rank, "timeout", message, {})
         return RankResult(rank, "ok" if result.ok else "failed", result.message, result.data)

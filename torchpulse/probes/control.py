@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +34,8 @@ Data = dict[str, FieldValue]
 __all__ = ["CommandFailed", "Control"]
 # Commands waiting for the next step boundary; a peer flooding more gets "busy", not the job's memory.
 MAX_PENDING_COMMANDS = 32
+# Steps whose times give the recent step rate that `status` reports (the daemon plans a trace's start with it).
+STEP_RATE_WINDOW = 16
 
 
 class Control:
@@ -45,6 +48,7 @@ class Control:
         self._pre_handle: Any = None
         self._pending: deque[Command] = deque()
         self.results: deque[CommandResult] = deque()
+        self._step_times: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         # A trace waiting for its first step or capturing, then the thread writing its file.
         self._trace: Trace | None = None
         self._writer: threading.Thread | None = None
@@ -117,6 +121,7 @@ class Control:
                 self._adopt(optimizer)
             self._stepped_since_first.clear()
             self.agent.step += 1
+            self._step_times.append(time.monotonic())
             if self.armed and self._last_hook():
                 self.safe_point()
                 self._move_last()
@@ -186,6 +191,7 @@ class Control:
             "buffer_capacity": agent.config.buffer_capacity,
             "events_dropped": agent.dropped_total,
             "pid": agent.identity.pid,
+            "step_rate": self._step_rate(),
             "tracing": self._trace is not None or self._writing(),
         }
         status = getattr(autograd, "status", None)
@@ -201,6 +207,13 @@ class Control:
                     f"{name}{'' if seq < 0 else f'#{seq}'} {seconds * 1e3:.2f}ms"
                     for name, seq, seconds in last.get("slowest", [])[:5])
         return data
+
+    def _step_rate(self) -> float:
+        """Steps per second over the last few steps; 0.0 before two steps."""
+        times = list(self._step_times)  # one C-level copy: the training thread appends meanwhile
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 0.0
+        return round((len(times) - 1) / (times[-1] - times[0]), 3)
 
     # -- training thread ------------------------------------------------------
     def safe_point(self) -> None:
@@ -305,7 +318,7 @@ class Control:
             start = self.agent.step + 1
         if start <= self.agent.step:
             raise CommandFailed(f"missed the start step {start}: this rank already finished step "
-                                f"{self.agent.step}; retry with a larger start margin")
+                                f"{self.agent.step}; retry with a later --start-step, or without one")
         if current is not None:
             # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
             self._answer(current.command, False, f"superseded by a newer trace request before step "
@@ -325,7 +338,8 @@ class Control:
         try:
             if trace.profiler is None and step >= trace.start_step - 1:
                 if step > trace.start_step - 1:
-                    raise CommandFailed(f"missed the start step {trace.start_step} (at step {step})")
+                    raise CommandFailed(f"missed the start step {trace.start_step} (at step {step}); retry with a "
+                                        "later --start-step, or without one")
                 trace.profiler = trace_capture.start_profiler()
                 if self._trace is not trace:  # detached meanwhile, from another thread
                     trace_capture.stop_quietly(trace.profiler)
@@ -350,14 +364,19 @@ class Control:
 
     def _write_trace(self, trace: Trace) -> None:
         ident = self.agent.identity
+        data: Data = {}
         try:
             path = trace_capture.write(trace, ident.run, ident.rank)
         except Exception as exc:
             log.warning("trace not written", out=str(trace.out), error=repr(exc))
-            self._answer(trace.command, False, f"trace failed: {exc}", {})
+            ok, message = False, f"trace failed: {exc}"
         else:
-            self._answer(trace.command, True, "trace written",
-                         {"path": str(path), "first_step": trace.start_step, "last_step": trace.last_step})
+            ok, message = True, "trace written"
+            data = {"path": str(path), "first_step": trace.start_step, "last_step": trace.last_step}
+        # The profiler's events (hundreds of MB for a long trace) and, after a failed write, Kineto's handle
+        # on the partial file it left (holding a full disk's space) go now, before the user is told.
+        trace_capture.release(trace.profiler)
+        self._answer(trace.command, ok, message, data)
 
 
 _OPTIMIZER_FILE = "optim/optimizer.py"

@@ -76,10 +76,20 @@ def start_profiler() -> Any:
 
 
 def stop_quietly(profiler: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):  # already broken; the failure is reported by the caller
         profiler.stop()
-    except Exception:  # already broken; the failure is reported by the caller
-        return
+    release(profiler)
+
+
+def release(profiler: Any) -> None:
+    """Free the recorded events now, and with them Kineto's handle on a file it failed to write.
+
+    `torch.profiler.profile` is in a reference cycle (its action map holds its own bound methods), so
+    without this its events and that handle (a deleted partial file keeping a full disk full) last until
+    a full garbage collection, which a training loop may not run for a long time.
+    """
+    with contextlib.suppress(Exception):
+        profiler.profiler = None
 
 
 def write(trace: Trace, run: str, rank: int) -> Path:
@@ -95,7 +105,25 @@ def write(trace: Trace, run: str, rank: int) -> Path:
     except FileNotFoundError:
         info = None
     if info is None or not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+        why = _why_not_written(trace.out)  # before the partial file is removed, which may free the space
         with contextlib.suppress(OSError):
             path.with_name(f"{path.name}.tmp").unlink()
-        raise OSError(f"torch.profiler did not write {path} (its reason is on the job's stderr)")
+        raise OSError(f"torch.profiler did not write {path}: {why}")
     return path
+
+
+# Less free space than this after a failed write: the file system is what stopped it.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _why_not_written(out: Path) -> str:
+    """A likely cause the user can act on; Kineto itself only logs "Failed to write to log file!"."""
+    try:
+        fs = os.statvfs(out)
+    except OSError as exc:
+        return f"{out} is unusable now ({exc.strerror or exc})"
+    if fs.f_blocks > 0 and fs.f_bavail * fs.f_frsize < FULL_DISK_BYTES:  # /proc and the like have no blocks
+        return f"the file system of {out} is full ({fs.f_bavail * fs.f_frsize} bytes free)"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"{out} is no longer writable by the job"
+    return "torch's reason is on the job's stderr"
