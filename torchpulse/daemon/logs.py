@@ -25,3 +25,30 @@ def configure(log_format: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+class EventBudget:
+    """How many of one agent's log events the daemon writes: a token bucket, counting what it refuses.
+
+    Agents' events become daemon log lines. A buggy or hostile agent can send thousands
+    per frame for as long as it runs; written one by one they fill the journal, whose own
+    rate limit then drops the daemon's lines about every other job too. A burst (a
+    `ctl autograd-log` pass of a large model) is kept whole; past it, `rate` a second.
+    """
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = burst
+        self._stamp = now
+        self.suppressed = 0
+
+    def take(self, now: float) -> bool:
+        """Whether one more event may be written now; refused ones are counted in `suppressed`."""
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.suppressed += 1
+        return False

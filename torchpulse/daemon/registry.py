@@ -18,6 +18,7 @@ from typing import Final
 import structlog
 
 from torchpulse.catalog import CATALOG
+from torchpulse.daemon.logs import EventBudget
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 log = structlog.get_logger("torchpulse.daemon")
@@ -26,6 +27,24 @@ MAX_LABEL_CHARS: Final = 200
 MAX_COMMAND_CHARS: Final = 512
 SeriesKey = tuple[str, tuple[str, ...]]
 COUNTER_FAMILIES: Final = frozenset(name for name, family in CATALOG.items() if family.kind == "counter")
+# Log events of one rank the daemon writes: a whole burst (an agent's full event queue several
+# times over), then a few a second. Kept across reconnects of the same process.
+EVENT_LOG_BURST: Final = 10_000
+EVENT_LOG_RATE: Final = 20.0
+# `autograd.node` events come only when asked for (`ctl autograd-log N`, at most 100 passes):
+# one per node of each pass, so a large model's request alone is tens of thousands of lines.
+# They get a bucket of their own, large enough for such a request, and do not use up the other.
+NODE_LOG_EVENT: Final = "autograd.node"
+NODE_LOG_BURST: Final = 250_000
+NODE_LOG_RATE: Final = 2_000.0
+
+
+def _event_budget() -> EventBudget:
+    return EventBudget(EVENT_LOG_RATE, EVENT_LOG_BURST, time.monotonic())
+
+
+def _node_log_budget() -> EventBudget:
+    return EventBudget(NODE_LOG_RATE, NODE_LOG_BURST, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,11 @@ class RankState:
     _rate_mark: tuple[float, float] | None = None
     # Owned by the series collector: rendered `name{labels}` prefixes per series.
     render_cache: dict[SeriesKey, str | tuple[str, ...]] = field(default_factory=dict)
+    # Owned by the server: how many of this rank's log events it still writes, and when it last
+    # said how many it did not.
+    log_budget: EventBudget = field(default_factory=_event_budget)
+    node_log_budget: EventBudget = field(default_factory=_node_log_budget)
+    suppressed_reported_at: float = 0.0
 
     @property
     def series(self) -> int:

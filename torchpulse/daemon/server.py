@@ -24,7 +24,7 @@ import structlog
 import torchpulse
 from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.peercred import peer_of
-from torchpulse.daemon.registry import Peer, RankState, Registry, RunState
+from torchpulse.daemon.registry import NODE_LOG_EVENT, Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
     HEADER_SIZE,
     Batch,
@@ -69,11 +69,39 @@ CLIENT_RESERVE: Final = 32
 # body, so an agent's usual batches never queue behind a peer parking big ones.
 MAX_BUFFERED_BYTES: Final = 64 << 20
 SMALL_FRAME_BYTES: Final = 64 << 10
+# A peer that stops reading what the daemon sends it (a status reply of thousands of ranks)
+# is cut off after this long: blocked in drain() or in a graceful close, its connection would
+# hold a descriptor, a connection slot and the unsent reply for ever.
+WRITE_TIMEOUT: Final = 10.0
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
 REJECT_LOG_INTERVAL: Final = 10.0
+# While a rank's log events are suppressed (see EventBudget), how often the daemon says how many.
+SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
 RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self"}
+
+
+class StalledReader(Exception):
+    """The peer did not take what was written to it within WRITE_TIMEOUT."""
+
+
+async def drain(writer: asyncio.StreamWriter) -> None:
+    """`writer.drain()`, bounded by WRITE_TIMEOUT."""
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await writer.drain()
+    except TimeoutError:
+        raise StalledReader from None
+
+
+async def close_connection(writer: asyncio.StreamWriter) -> None:
+    """Close gracefully (what is buffered is still sent), or abort a peer that does not read it."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await writer.wait_closed()
+    writer.transport.abort()  # a no-op once closed
 
 
 class AgentServer:
@@ -182,7 +210,7 @@ class AgentServer:
                                  host=frame.host, torch=frame.torch_version)
                     elif isinstance(frame, StatusRequest):
                         writer.write(encode(self.status()))
-                        await writer.drain()
+                        await drain(writer)
                         return
                     elif isinstance(frame, CtlRequest):
                         await self._ctl(frame, peer, writer)
@@ -194,7 +222,7 @@ class AgentServer:
                 elif isinstance(frame, Batch):
                     run, rank = registered
                     events = self.registry.apply(run, rank, frame)
-                    self._log_events(run.name, rank.hello.rank, events)
+                    self._log_events(run.name, rank, events)
                     self._route_checkpoints(run.name, rank.hello.rank, events)
                 elif isinstance(frame, CommandResult):
                     self.control.resolve(frame, registered[1], connection)
@@ -203,7 +231,7 @@ class AgentServer:
                     continue
                 else:
                     raise FrameError("unexpected_type", f"{type(frame).__name__} is not valid after hello")
-                await writer.drain()
+                await drain(writer)
         except FrameError as exc:
             self._reject(exc, writer, peer)
         except TimeoutError:
@@ -211,6 +239,8 @@ class AgentServer:
             self._reject(FrameError(reason, "no complete frame within the timeout"), writer, peer)
         except (ConnectionError, asyncio.CancelledError):
             pass
+        except StalledReader:
+            writer.transport.abort()  # a graceful close would wait for it to read, a second WRITE_TIMEOUT
         except Exception as exc:  # a daemon bug must cost one connection, never the daemon
             self._reject(FrameError("internal_error", f"the daemon failed on this frame: {exc!r}"), writer, peer,
                          exc_info=True)
@@ -218,6 +248,8 @@ class AgentServer:
             if registered is not None:
                 run, rank = registered
                 owned = self.registry.owns(run, rank, connection)
+                if owned:
+                    _report_suppressed(run.name, rank, time.monotonic(), final=True)
                 self.registry.disconnect(run, rank, connection)
                 self.control.disconnected(connection)
                 # Without a goodbye the process crashed, failed, was killed or hangs: the journal says so
@@ -225,9 +257,7 @@ class AgentServer:
                 crashed = owned and not rank.exited
                 (log.warning if crashed else log.info)("agent disconnected", run=run.name, rank=rank.hello.rank,
                                                        pid=rank.hello.pid, said_goodbye=rank.exited)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            await close_connection(writer)
             if task is not None:
                 self._tasks.discard(task)
 
@@ -239,7 +269,7 @@ class AgentServer:
                         uid=peer.uid if peer else None, pid=peer.pid if peer else None, reason=str(exc))
             reply = ErrorReply("not_authorized", str(exc))
         writer.write(encode(reply))
-        await writer.drain()
+        await drain(writer)
 
     async def _read_frame(self, reader: asyncio.StreamReader, timeout: float) -> object | None:
         try:
@@ -291,12 +321,29 @@ class AgentServer:
                 self.on_checkpoint(run, rank, saved)
 
     @staticmethod
-    def _log_events(run: str, rank: int, events: list[LogEvent]) -> None:
+    def _log_events(run: str, state: RankState, events: list[LogEvent]) -> None:
+        now = time.monotonic()
         for event in events:
+            budget = state.node_log_budget if event.event == NODE_LOG_EVENT else state.log_budget
+            if not budget.take(now):
+                continue
             level = event.level if event.level in LEVELS else "info"
             # An agent's field must not override who sent it.
             fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
-            getattr(log, level)(event.event, run=run, rank=rank, agent_ts=event.ts, **fields)
+            getattr(log, level)(event.event, run=run, rank=state.hello.rank, agent_ts=event.ts, **fields)
+        _report_suppressed(run, state, now)
+
+
+def _report_suppressed(run: str, state: RankState, now: float, final: bool = False) -> None:
+    """One line per interval (and one when the rank leaves) saying how many of its events were not written."""
+    suppressed = state.log_budget.suppressed + state.node_log_budget.suppressed
+    if not suppressed or (not final and now - state.suppressed_reported_at < SUPPRESSED_REPORT_INTERVAL):
+        return
+    log.warning("agent log events suppressed: this rank sends more than the daemon writes", run=run,
+                rank=state.hello.rank, suppressed=suppressed, autograd_node=state.node_log_budget.suppressed,
+                burst=state.log_budget.burst, per_second=state.log_budget.rate)
+    state.log_budget.suppressed = state.node_log_budget.suppressed = 0
+    state.suppressed_reported_at = now
 
 
 def connection_limit() -> int:
