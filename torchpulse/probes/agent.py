@@ -46,6 +46,7 @@ class Agent:
         self._reported_drops: dict[str, int] = {}
         self._events: deque[LogEvent] = deque()
         self._event_drops = 0
+        self._oversized_drops = 0
         self._sender: Any = None
         # Set once a probe recorded something. Processes that import torch but
         # never train (torchrun's launcher, spawned workers) never connect.
@@ -111,7 +112,8 @@ class Agent:
                     log.warning("dropped a record that failed to aggregate", error=repr(exc))
 
     def _sync_drop_counters(self) -> None:
-        for reason, total in (("buffer_full", self._buffer_drops), ("events_overflow", self._event_drops)):
+        for reason, total in (("buffer_full", self._buffer_drops), ("events_overflow", self._event_drops),
+                              ("oversized", self._oversized_drops)):
             if total != self._reported_drops.get(reason, 0):
                 self.store.inc("agent_events_dropped_total", (reason,), total - self._reported_drops.get(reason, 0))
                 self._reported_drops[reason] = total
@@ -129,9 +131,13 @@ class Agent:
         self._event_drops += len(events) - len(keep)
         self._events.extendleft(reversed(keep))
 
+    def count_oversized(self) -> None:
+        """An item larger than a whole frame was not sent (sender thread only)."""
+        self._oversized_drops += 1
+
     @property
     def dropped_total(self) -> int:
-        return self._buffer_drops + self._event_drops
+        return self._buffer_drops + self._event_drops + self._oversized_drops
 
     @property
     def buffer_fill(self) -> int:

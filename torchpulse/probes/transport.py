@@ -42,14 +42,20 @@ if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
 
 log = get_logger("torchpulse.agent")
-# Items per frame: keeps every frame far below MAX_FRAME_BYTES.
+# Items per frame: keeps usual frames far below MAX_FRAME_BYTES (larger ones are halved, see _encode).
 MAX_ITEMS_PER_FRAME = 2000
+Part = tuple[list[Sample], list[HistogramSample], list[LogEvent]]
 # Sent in every hello of this process: with pid and host it tells the daemon a reconnecting
 # process (keep its series) from a new one that got the same pid on the same host (a container
 # restarted in its pod, where the job is often pid 1): that one starts from empty series.
 PROCESS_STARTED_AT = time.time()
 # An idle agent still sends an empty batch this often, so the daemon sees it alive.
 HEARTBEAT_INTERVAL = 5.0
+# The job's stderr says when the daemon went away and came back, but a daemon restarted again and
+# again (a crash loop, a weekly upgrade over a job running for months) must not write two lines
+# each time for as long as the job runs: the first few outages, then at most one an interval.
+FREE_UNREACHABLE_NOTES = 3
+UNREACHABLE_NOTE_INTERVAL = 3600.0
 # Socket reads (64 KiB each) handled per call before the thread gets back to its own cycle.
 MAX_CHUNKS_PER_READ = 16
 # A write to a daemon that just died raises EPIPE; without this flag it also raises SIGPIPE, which
@@ -82,6 +88,8 @@ class Sender(threading.Thread):
         self._backoff = self.config.backoff_initial
         self._next_attempt = 0.0
         self._warned_unreachable = False
+        self._unreachable_notes = 0
+        self._last_unreachable_note = 0.0
         self._gave_up = False
         self.connected_once = False
         # (rank, world size) the daemon was told in the hello of the open connection.
@@ -259,17 +267,30 @@ class Sender(threading.Thread):
         raise TimeoutError("no answer to hello")
 
     def _schedule_retry(self, path: str, exc: BaseException | None) -> None:
-        if not self._warned_unreachable and exc is not None:
+        if not self._warned_unreachable and exc is not None and self._may_note_unreachable():
             # The one line a job without a daemon shows on stderr.
+            later = {"later": f"further outages are reported at most once every {UNREACHABLE_NOTE_INTERVAL:g}s"
+                     } if self._unreachable_notes == FREE_UNREACHABLE_NOTES else {}
             log.warning(
                 "daemon not reachable; training continues and metrics are sent once it is up",
                 socket=path,
                 error=type(exc).__name__,
+                **later,
             )
             self._warned_unreachable = True
         delay = self._backoff * random.uniform(0.8, 1.2)
         self._next_attempt = time.monotonic() + delay
         self._backoff = min(self._backoff * 2, self.config.backoff_max)
+
+    def _may_note_unreachable(self) -> bool:
+        """Whether this outage gets its line (and its "reconnected" line) on the job's stderr."""
+        now = time.monotonic()
+        if (self._unreachable_notes >= FREE_UNREACHABLE_NOTES
+                and now - self._last_unreachable_note < UNREACHABLE_NOTE_INTERVAL):
+            return False
+        self._unreachable_notes += 1
+        self._last_unreachable_note = now
+        return True
 
     def _hello(self) -> Hello:
         ident = self.agent.identity
@@ -330,21 +351,38 @@ class Sender(threading.Thread):
             return True
         self._last_send = now
         delivered_events = 0
-        for part_samples, part_hist, part_events in _split(samples, histograms, events):
-            self._seq += 1
-            batch = Batch(self._seq, time.time(), part_samples, part_hist, part_events)
+        for part in _split(samples, histograms, events):
+            for frame, part_events in self._encode(part):
+                if frame is not None and not self._send_frame(frame):
+                    self.agent.store.restore_changes(samples, histograms)
+                    # Series are running totals and safe to resend; events of frames already sent are not.
+                    self.agent.return_events(events[delivered_events:])
+                    return False
+                delivered_events += part_events
+        return True
+
+    def _encode(self, part: Part) -> list[tuple[bytes | None, int]]:
+        """Frames for `part` with the events each carries; a frame over MAX_FRAME_BYTES is halved.
+
+        MAX_ITEMS_PER_FRAME keeps usual batches small, but 2,000 events with 4 KiB details (a
+        recompile storm's guard texts) exceed the daemon's frame limit: sent whole, the batch
+        would fail to encode, and its events be lost uncounted with the connection reset.
+        One item that alone exceeds it is dropped and counted (None in place of its frame).
+        """
+        self._seq += 1
+        batch = Batch(self._seq, time.time(), *part)
+        try:
             try:
-                frame = encode(batch)
+                return [(encode(batch), len(part[2]))]
             except UnicodeEncodeError:
                 # A surrogate-escaped byte from argv, a path or the environment: sent as "?".
-                frame = encode(_utf8_batch(batch))
-            if not self._send_frame(frame):
-                self.agent.store.restore_changes(samples, histograms)
-                # Series are running totals and safe to resend; events of frames already sent are not.
-                self.agent.return_events(events[delivered_events:])
-                return False
-            delivered_events += len(part_events)
-        return True
+                return [(encode(_utf8_batch(batch)), len(part[2]))]
+        except FrameError:
+            if len(part[0]) + len(part[1]) + len(part[2]) <= 1:
+                self.agent.count_oversized()
+                return [(None, len(part[2]))]
+            first, second = _halves(part)
+            return self._encode(first) + self._encode(second)
 
     def _send_results(self) -> None:
         results = self.agent.control.results
@@ -412,14 +450,25 @@ def _utf8_batch(batch: Batch) -> Batch:
     )
 
 
-def _split(
-    samples: list[Sample], histograms: list[HistogramSample], events: list[LogEvent]
-) -> list[tuple[list[Sample], list[HistogramSample], list[LogEvent]]]:
+def _split(samples: list[Sample], histograms: list[HistogramSample], events: list[LogEvent]) -> list[Part]:
     if len(samples) + len(histograms) + len(events) <= MAX_ITEMS_PER_FRAME:
         return [(samples, histograms, events)]
     n = MAX_ITEMS_PER_FRAME
-    parts: list[tuple[list[Sample], list[HistogramSample], list[LogEvent]]] = []
+    parts: list[Part] = []
     parts += [(samples[i : i + n], [], []) for i in range(0, len(samples), n)]
     parts += [([], histograms[i : i + n], []) for i in range(0, len(histograms), n)]
     parts += [([], [], events[i : i + n]) for i in range(0, len(events), n)]
     return parts
+
+
+def _halves(part: Part) -> tuple[Part, Part]:
+    """The items of `part` cut in two at the middle, in order (events keep theirs)."""
+    samples, histograms, events = part
+    rest = (len(samples) + len(histograms) + len(events)) // 2
+    head_samples = samples[:rest]
+    rest -= len(head_samples)
+    head_histograms = histograms[:rest]
+    rest -= len(head_histograms)
+    head_events = events[:rest]
+    return ((head_samples, head_histograms, head_events),
+            (samples[len(head_samples):], histograms[len(head_histograms):], events[len(head_events):]))
