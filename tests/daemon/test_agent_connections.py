@@ -335,7 +335,8 @@ def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_it
     rank stays agent_exited 0 (TorchpulseAgentDown's case). After the grace period only the exited
     rank is forgotten: its run still has a connected rank (an elastic job scaled down)."""
     config = tmp_path / "tp.toml"
-    config.write_text("[runs]\ngrace_period_seconds = 4\n")
+    # Long enough for the checks below to run before rank 1 is forgotten on a loaded machine.
+    config.write_text("[runs]\ngrace_period_seconds = 12\n")
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
     killed: subprocess.Popen[bytes] | None = None
     try:
@@ -351,8 +352,9 @@ def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_it
                                    TORCHPULSE_PROBES="optimizer"))
 
             killed = job(2, 100_000)
-            assert 0 == job(1, 5).wait(120)
+            # Rank 2 up first: its start (a torch import) must not eat into rank 1's grace period.
             wait_for(lambda: [0, 2] == _connected(daemon, "elastic"), timeout=60)
+            assert 0 == job(1, 5).wait(120)
             killed.kill()
             killed.wait(30)
             wait_for(lambda: [0] == _connected(daemon, "elastic"), timeout=30)
