@@ -143,6 +143,21 @@ def test_skips_torch_logs_without_the_usual_prefix_keep_their_reason(agent: Any)
     assert {("mutated_inputs",): 1.0, ("other",): 1.0} == _series(agent, "cudagraph_skips_total")
 
 
+@pytest.mark.parametrize("message", [
+    "skipping cudagraph due to function 0 exceeding max re-recording limit (=128) on cudagraph node 1 due to "
+    "static input data pointer changed.",
+    # torch 2.15, cudagraph_managed_input_rerecord_action="skip"
+    "skipping cudagraph due to function 0 reaching the cudagraph-managed input re-recording threshold (=5) "
+    "on cudagraph node 1 for input indices [0].",
+])
+def test_a_skip_that_ends_re_recording_is_a_limit_hit(agent: Any, message: str) -> None:
+    """Both of torch's re-record limits make the function run without CUDA graphs: one skip and one limit hit."""
+    log_cudagraph_skip_and_bump_counter(message)
+    _poll(agent)
+    assert {("other",): 1.0} == _series(agent, "cudagraph_skips_total")
+    assert 1.0 == agent.store.value("cudagraph_rerecord_limit_hits_total")
+
+
 def _fake_manager(roots: int) -> Any:
     nodes = {0: [SimpleNamespace(children={}) for _ in range(roots)]}
     return SimpleNamespace(roots=nodes, cuda_graphs_thread_pool=None, current_node=None)

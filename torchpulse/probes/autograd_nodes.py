@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils._dtype_abbrs import dtype_abbrs
+
+from torchpulse.probes import torch_features as tf
 
 # (dtype, shape) of each grad_output, None for an undefined gradient.
 GradShape = tuple[torch.dtype, tuple[int, ...]] | None
@@ -64,7 +65,7 @@ def format_grad_outputs(shapes: Sequence[GradShape]) -> str:
 
 
 def _format_one(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
-    return f"{dtype_abbrs.get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
+    return f"{tf.dtype_abbreviations().get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
 
 
 def roots_of(outputs: Iterable[Any]) -> list[Node]:
@@ -133,8 +134,6 @@ class PassTimer:
     def keep_dynamo_out(cls) -> None:
         """Have Dynamo skip every timer's hook frames (under a compiled step the engine runs them
         with Dynamo on); skipping goes by code object, so one sample of each hook does it."""
-        from torchpulse.probes import torch_features as tf
-
         sample = cls((), detailed=False, on_parameter=lambda _param: None)
         tf.skip_tracing(sample._make_prehook(0))
         tf.skip_tracing(sample._make_posthook(0))

@@ -58,9 +58,11 @@ class Compilation(NamedTuple):
 
     @classmethod
     def of(cls, m: Any) -> Compilation:
+        # `is_forward` and `recompile_reason` are missing before ~2.6 (feature
+        # "compilation_metrics_recompile_reason"): a record then reads as a forward frame without a reason.
         return cls(
-            str(m.compile_id or "?"), m.co_name, m.co_filename, m.co_firstlineno, m.is_forward,
-            m.recompile_reason, m.fail_type, m.fail_reason,
+            str(m.compile_id or "?"), m.co_name, m.co_filename, m.co_firstlineno, getattr(m, "is_forward", None),
+            getattr(m, "recompile_reason", None), m.fail_type, m.fail_reason,
             getattr(m, "dynamo_cumulative_compile_time_us", None),
             getattr(m, "aot_autograd_cumulative_compile_time_us", None),
             getattr(m, "inductor_cumulative_compile_time_us", None),
@@ -76,6 +78,17 @@ def frame_of(compile_id: str) -> str:
     """
     parts = compile_id.split("/")
     return parts[1] if compile_id.startswith("!") and len(parts) > 2 else parts[0]
+
+
+def is_recompile_id(compile_id: str) -> bool:
+    """Whether a compile id names a frame's second or later compile: "3/1", "3/1_2" (attempt 2), "!0/3/1"."""
+    parts = compile_id.split("/")
+    if compile_id.startswith("!"):
+        parts = parts[1:]
+    if len(parts) < 2:
+        return False
+    index = parts[1].split("_", 1)[0]
+    return index.isdigit() and int(index) > 0
 
 
 def phase_seconds(c: Compilation) -> list[tuple[str, float]]:
@@ -124,6 +137,7 @@ class CompileProbe(Probe):
         self._taps: list[LogTap] = []
         self._graph_breaks: LogTap | None = None
         self._start: _StartCallback | None = None
+        self._reasons_known = True
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -138,7 +152,9 @@ class CompileProbe(Probe):
         self._install_after_import(tf.DYNAMO, self._install_with_dynamo)
 
     def _install_with_dynamo(self) -> None:
-        for feature in tf.missing("compilation_metrics_log", "compile_callbacks"):
+        self._reasons_known = tf.has("compilation_metrics_recompile_reason")
+        for feature in tf.missing("compilation_metrics_log", "compilation_metrics_recompile_reason",
+                                  "compile_callbacks"):
             log.warning("compile probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         if tf.has("compilation_metrics_log"):
             if not tf.metrics_logging_enabled():
@@ -219,11 +235,15 @@ class CompileProbe(Probe):
             self.agent.emit("warning", "recompile limit hit; the function now runs uncompiled",
                             function=function, compile_id=c.compile_id, last_reason=c.recompile_reason)
             return
-        if c.recompile_reason is not None:
-            reason = classify_recompile(c.recompile_reason)
+        detail = c.recompile_reason
+        if detail is None and not self._reasons_known and is_recompile_id(c.compile_id):
+            # This torch records no reasons: the compile id alone says it recompiled.
+            detail = "unknown: this torch records no recompile reason"
+        if detail is not None:
+            reason = classify_recompile(detail) if c.recompile_reason is not None else "other"
             store.inc("recompiles_total", (self._functions(function), reason))
             self.agent.emit("info", "recompile", function=function, reason=reason,
-                            compile_id=c.compile_id, detail=c.recompile_reason)
+                            compile_id=c.compile_id, detail=detail)
         if c.fail_type is not None:
             self.agent.emit("warning", "compile failed", function=function, compile_id=c.compile_id,
                             fail_type=c.fail_type, detail=c.fail_reason)

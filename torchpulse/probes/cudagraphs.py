@@ -169,7 +169,8 @@ class CudaGraphProbe(Probe):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
         self._read_baselines()
-        self._tap(tf.CUDAGRAPHS_LOGGER, logging.WARNING, self._on_cudagraphs_record)
+        for logger_name in tf.CUDAGRAPH_SKIP_LOGGERS:
+            self._tap(logger_name, logging.WARNING, self._on_cudagraphs_record)
         if tf.cuda_present():
             # Only a CUDA process builds graph trees; elsewhere a DEBUG level on
             # torch's logger would be a change with nothing to observe.
@@ -208,7 +209,7 @@ class CudaGraphProbe(Probe):
         message = record.getMessage()
         if record.funcName == tf.CUDAGRAPH_SKIP_FUNCTION or message.startswith(tf.CUDAGRAPH_SKIP_PREFIX):
             self._skip_messages += 1
-            limit = tf.CUDAGRAPH_RERECORD_LIMIT_MARKER in message
+            limit = any(marker in message for marker in tf.CUDAGRAPH_RERECORD_LIMIT_MARKERS)
             self.agent.record(self._on_skip, classify_cudagraph_skip(message), message, limit)
         elif message.startswith(tf.CUDAGRAPH_DYNAMIC_SHAPE_WARNING):
             self.agent.record(self._on_dynamic_shape_warning, message)

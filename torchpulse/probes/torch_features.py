@@ -10,6 +10,7 @@ Verified against torch 2.13; earlier notes say where behaviour changed.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 import types
@@ -37,6 +38,9 @@ GRAPH_BREAK_FULL_PREFIX: Final = "Graph break in user code"
 # here at WARNING. The artifact does not propagate, so without handlers Python's
 # `lastResort` prints them: a tap must be a filter, never a handler.
 CUDAGRAPHS_LOGGER: Final = "torch._inductor.cudagraph_utils.__cudagraphs"
+# Older torch (2.4) logged the skips to the module's `perf_hints` artifact instead. Tapping a name no
+# module logs to costs nothing: its WARNING level is already the default, so the tap changes no level.
+CUDAGRAPH_SKIP_LOGGERS: Final = (CUDAGRAPHS_LOGGER, "torch._inductor.cudagraph_utils.__perf_hints")
 # The tree manager logs recordings, warm-ups and re-record reasons at DEBUG
 # (only on those slow paths, never on replay), symint recordings at INFO, to
 # its `cudagraphs` artifact logger. Not to the module logger above it: a
@@ -68,7 +72,10 @@ CUDAGRAPH_SKIP_PREFIX: Final = "skipping cudagraph"
 # every message starts with the prefix ("input storage mutation ...", "disabling cudagraphs due to
 # override_cudagraphs annotation").
 CUDAGRAPH_SKIP_FUNCTION: Final = "log_cudagraph_skip_and_bump_counter"
-CUDAGRAPH_RERECORD_LIMIT_MARKER: Final = "re-recording limit"
+# A skip that ends re-recording: "... exceeding max re-recording limit (=128) ...", and from 2.15, with
+# `cudagraph_managed_input_rerecord_action="skip"`, "... reaching the cudagraph-managed input re-recording
+# threshold (=5) ...".
+CUDAGRAPH_RERECORD_LIMIT_MARKERS: Final = ("re-recording limit", "re-recording threshold")
 CUDAGRAPH_DYNAMIC_SHAPE_WARNING: Final = "CUDAGraph supports dynamic shapes by recording a new graph"
 TREES_RECORDING: Final = "Recording function="
 TREES_WARMUP: Final = "Running warmup function="
@@ -114,6 +121,15 @@ def _metrics_logged() -> bool:
     return hasattr(torch._dynamo.utils, "CompilationMetrics") and hasattr(
         torch._dynamo.utils, "log_compilation_event"
     )
+
+
+def _metrics_recompile_reasons() -> bool:
+    # CompilationMetrics gained `recompile_reason` and `is_forward` (lazy backward compiles) in
+    # ~2.6; before, a record says neither why its frame recompiled nor which graph it was.
+    from torch._dynamo.utils import CompilationMetrics
+
+    fields = getattr(CompilationMetrics, "__dataclass_fields__", {})
+    return "recompile_reason" in fields and "is_forward" in fields
 
 
 def _callback_handler() -> bool:
@@ -164,6 +180,7 @@ def _memory_snapshot() -> bool:
 
 _DETECTORS: Final[dict[str, Callable[[], object]]] = {
     "compilation_metrics_log": _metrics_logged,
+    "compilation_metrics_recompile_reason": _metrics_recompile_reasons,
     "compile_callbacks": _callback_handler,
     "compile_callback_args": _callback_args,
     "dynamo_counters": _counters,
@@ -298,6 +315,22 @@ def dynamo_counter(group: str, key: str) -> int:
 
     section = counters.get(group)
     return int(section.get(key, 0)) if section is not None else 0
+
+
+@functools.cache
+def dtype_abbreviations() -> dict[torch.dtype, str]:
+    """Torch's short dtype names ("f32", "bf16") of its logging notation; {} where torch has none.
+
+    `torch.utils._dtype_abbrs` since ~2.6; before, the same table was `torch.fx.graph.dtype_abbrs`.
+    """
+    for module_name in ("torch.utils._dtype_abbrs", "torch.fx.graph"):
+        try:
+            table = getattr(importlib.import_module(module_name), "dtype_abbrs", None)
+        except ImportError:
+            continue
+        if isinstance(table, dict):
+            return table
+    return {}
 
 
 def cudagraph_policy_set() -> bool:
