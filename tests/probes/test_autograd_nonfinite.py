@@ -59,6 +59,29 @@ def test_the_parameter_gauge_returns_to_zero_after_a_clean_pass() -> None:
         assert [(None, 0), (1, 2), (1, 0)] == values
 
 
+def test_a_job_that_stays_nan_logs_a_burst_then_one_line_a_minute_and_counts_every_pass() -> None:
+    """A loss gone NaN for good: every pass counted, but the log (the daemon's journal, per rank)
+    gets NONFINITE_LOG_BURST lines, then one a minute saying how many passes it left out."""
+    from torchpulse.probes import autograd
+
+    with autograd_agent() as agent:
+        model = torch.nn.Linear(4, 2)
+        model.weight.register_hook(lambda g: g * math.nan)
+        for _ in range(50):
+            model(torch.ones(1, 4)).sum().backward()
+            model.zero_grad(set_to_none=True)
+        agent.drain()
+        assert 50 == agent.store.value("grad_nonfinite_passes_total", ())
+        logged = events(agent, "autograd.nonfinite_gradients")
+        assert list(range(autograd.NONFINITE_LOG_BURST)) == [e["pass_index"] for e in logged]
+        probe = agent.probes["autograd"]
+        probe._nonfinite_log_stamp -= autograd.NONFINITE_LOG_INTERVAL  # a minute later
+        model(torch.ones(1, 4)).sum().backward()
+        agent.drain()
+        last = events(agent, "autograd.nonfinite_gradients")[-1]
+        assert (50, 50 - autograd.NONFINITE_LOG_BURST) == (last["pass_index"], last["passes_not_logged"])
+
+
 def test_the_same_run_without_injection_counts_zero() -> None:
     """No NaN: the counter never appears, the norm gauge is finite and positive."""
     with autograd_agent(grad_norm="1") as agent:

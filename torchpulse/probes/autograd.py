@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 DISCOVER_EVERY = 100
 # Fewest passes between the searches that a dropped model's parameters trigger.
 LOST_SEARCH_EVERY = 10
+# Warnings about non-finite passes: the first few in full, then one a minute. A job whose loss
+# went NaN for good (or a GradScaler that never recovers) would otherwise log one line per pass
+# per rank for as long as it runs; the counter and the gauge still see every pass.
+NONFINITE_LOG_BURST = 10
+NONFINITE_LOG_INTERVAL = 60.0
 # Non-traced tensor types take the fast path; anything else is checked for fake/functional.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -108,6 +113,9 @@ class AutogradProbe(Probe):
         self._names = NameResolver()
         self._node_label = BoundedLabel(self.config.top_nodes)
         self._torch_logging_noted = False
+        self._nonfinite_log_tokens = float(NONFINITE_LOG_BURST)
+        self._nonfinite_log_stamp = time.monotonic()
+        self._nonfinite_not_logged = 0
         # Set once Dynamo is loaded (`_keep_dynamo_out`): its frame callback (None outside
         # compiled code), and the probe's work behind torch.compiler.disable for passes
         # that start inside compiled code.
@@ -355,11 +363,28 @@ class AutogradProbe(Probe):
                 continue
             store.inc("grad_nonfinite_passes_total", ())
             params = [p for p in (ref() for ref in result.nonfinite) if p is not None]
+            if not self._may_log_nonfinite():
+                self._nonfinite_not_logged += 1
+                continue
             shown = self._names.names(params[: self.config.max_names_logged])
+            # How many non-finite passes went unlogged since the previous line (the counter has them all).
+            skipped = {"passes_not_logged": self._nonfinite_not_logged} if self._nonfinite_not_logged else {}
+            self._nonfinite_not_logged = 0
             self.agent.emit("warning", "autograd.nonfinite_gradients",
                             pass_index=result.pass_index, kind=result.kind,
                             parameters=len(result.nonfinite), checked=result.checked,
-                            names=",".join(shown), names_truncated=len(params) > len(shown))
+                            names=",".join(shown), names_truncated=len(params) > len(shown), **skipped)
+
+    def _may_log_nonfinite(self) -> bool:
+        """A token bucket: NONFINITE_LOG_BURST lines, refilled at one per NONFINITE_LOG_INTERVAL."""
+        now = time.monotonic()
+        refill = (now - self._nonfinite_log_stamp) / NONFINITE_LOG_INTERVAL
+        self._nonfinite_log_tokens = min(float(NONFINITE_LOG_BURST), self._nonfinite_log_tokens + refill)
+        self._nonfinite_log_stamp = now
+        if self._nonfinite_log_tokens < 1.0:
+            return False
+        self._nonfinite_log_tokens -= 1.0
+        return True
 
 
 def _ignore(_param: torch.Tensor) -> None:
