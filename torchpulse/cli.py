@@ -19,6 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--socket", type=str, help="agent socket path")
     daemon.add_argument("--listen", type=str, help="metrics HTTP listener, HOST:PORT")
     daemon.add_argument("--state-dir", type=str, help="state directory")
+    daemon.add_argument("--log-format", choices=("auto", "json", "console"),
+                        help="log format on stderr (default: the config's, auto: JSON unless stderr is a terminal)")
+    daemon.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"),
+                        help="minimum log level (default: the config's, info)")
 
     run = sub.add_parser("run", help="run a command with the agent attached (no code change)")
     run.add_argument("--socket", type=str, help="daemon socket (default: TORCHPULSE_SOCKET or the default path)")
@@ -134,7 +138,7 @@ def _dispatch(args_list: list[str]) -> int:
     if args.command == "daemon":
         from torchpulse.daemon.main import run_daemon
 
-        return run_daemon(args.config, args.socket, args.listen, args.state_dir)
+        return run_daemon(args.config, args.socket, args.listen, args.state_dir, args.log_format, args.log_level)
     if args.command == "run":
         from torchpulse.launcher import launch
 

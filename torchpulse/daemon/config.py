@@ -177,6 +177,8 @@ class Overrides:
     socket: Path | None = None
     listen: str | None = None
     state_dir: Path | None = None
+    log_format: str | None = None
+    log_level: str | None = None
 
 
 def with_overrides(config: Config, overrides: Overrides) -> Config:

@@ -20,6 +20,7 @@ from typing import Final
 
 import structlog
 
+from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.registry import Peer, RankState, Registry
 from torchpulse.protocol import (
     MAX_COMMAND_TIMEOUT,
@@ -41,6 +42,8 @@ MIN_TRACE_LEAD_STEPS = 3
 # when it needs the rank's own step counter: to plan a trace, and to explain a timeout.
 STEP_QUERY_SECONDS = 1.0
 MAX_REPORTED_RATE = 1e6
+# Ranks a "command received" line lists; a client may address thousands (or send a list of millions).
+MAX_LOGGED_RANKS = 64
 
 
 class NotAuthorized(Exception):
@@ -102,6 +105,13 @@ def _rate(state: RankState) -> float:
     return current_step(state) / elapsed if elapsed > 0 else 0.0
 
 
+def _logged_ranks(ranks: list[int] | None) -> list[int] | str | None:
+    """The addressed ranks for the log: all of them when few, else the first ones and how many."""
+    if ranks is None or len(ranks) <= MAX_LOGGED_RANKS:
+        return ranks
+    return f"{ranks[:MAX_LOGGED_RANKS]} and {len(ranks) - MAX_LOGGED_RANKS} more"
+
+
 class ControlHub:
     def __init__(self, registry: Registry, control_group: Callable[[], str]) -> None:
         self.registry = registry
@@ -128,8 +138,10 @@ class ControlHub:
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
         authorize(peer, self.control_group())
-        log.info("command received", command=request.name, run=request.run, ranks=request.ranks,
-                 args=request.args, **who)
+        # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
+        command, run_name = cut(request.name, MAX_NAME_CHARS), cut(request.run, MAX_NAME_CHARS)
+        log.info("command received", command=command, run=run_name, ranks=_logged_ranks(request.ranks),
+                 args=bounded_fields(request.args), **who)
         run = self.registry.runs.get(request.run)
         if run is None:
             return CtlReply(request.run, request.name, [])
@@ -143,8 +155,8 @@ class ControlHub:
         results = await asyncio.gather(*(
             self._one(run.ranks.get(rank), rank, request.name, args, timeout) for rank in wanted))
         for result in results:
-            log.info("command result", command=request.name, run=request.run, rank=result.rank,
-                     status=result.status, message=result.message, **who)
+            log.info("command result", command=command, run=run_name, rank=result.rank,
+                     status=result.status, message=cut(result.message), **who)
         return CtlReply(request.run, request.name, list(results))
 
     async def _trace_start(self, states: list[RankState]) -> int:

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
+from typing import Final
 
 import structlog
+
+from torchpulse.protocol import FieldValue
+
+# What a peer (an agent, a `ctl` client, a hostile local process) puts into the daemon's log is cut:
+# journald splits a line longer than its LineMax (48 KiB by default) into entries that are no longer
+# JSON, and a megabyte per line would fill the journal. Agents cut their own fields at 4096 characters.
+MAX_TEXT_CHARS: Final = 4096
+MAX_NAME_CHARS: Final = 200  # event names, field names, run and command names
+MAX_FIELDS: Final = 32
+MAX_EVENT_CHARS: Final = 16384  # all of one event's fields together
+# sd-daemon(3) priority prefixes: journald reads "<4>" at the start of a stderr line as the entry's
+# priority and strips it, so `journalctl -p warning` finds warnings and MESSAGE stays plain JSON.
+JOURNAL_PRIORITIES: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
 
 
 def configure(log_format: str = "auto", level: str = "info") -> None:
@@ -13,11 +29,14 @@ def configure(log_format: str = "auto", level: str = "info") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     )
+    if use_json and stderr_is_journal():
+        renderer = _with_journal_priority(renderer)
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             structlog.processors.format_exc_info,
             renderer,
         ],
@@ -25,6 +44,75 @@ def configure(log_format: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib_logging(renderer, timestamper, level)
+
+
+def _route_stdlib_logging(renderer: structlog.typing.Processor, timestamper: structlog.typing.Processor,
+                          level: str) -> None:
+    """Render the standard library's records (asyncio's "Unhandled exception in ...", warnings) like ours.
+
+    Left to logging's last-resort handler they are plain text, multi-line tracebacks included, in
+    the middle of the JSON lines. The daemon is its own process: its root logger is ours to set.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer],
+    ))
+    root = logging.getLogger()
+    root.handlers = [handler]  # replaced, not added to, at each reload
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)
+
+
+def stderr_is_journal() -> bool:
+    """Whether stderr is the journal stream systemd connected (JOURNAL_STREAM names its device and inode).
+
+    Compared, not just present: a process the daemon's environment reaches with stderr redirected
+    (a test, `torchpulse daemon 2>file` from a unit's shell) writes to something else.
+    """
+    device, sep, inode = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not sep or not device.isdigit() or not inode.isdigit():
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(device), int(inode))
+
+
+def _with_journal_priority(renderer: structlog.typing.Processor) -> structlog.typing.Processor:
+    def render(logger: object, method: str, event_dict: structlog.typing.EventDict) -> str:
+        priority = JOURNAL_PRIORITIES.get(str(event_dict.get("level")), 6)
+        rendered = renderer(logger, method, event_dict)
+        return f"<{priority}>{rendered.decode() if isinstance(rendered, bytes) else rendered}"
+    return render
+
+
+def cut(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def bounded_fields(fields: Mapping[str, FieldValue], budget: int = MAX_EVENT_CHARS) -> dict[str, FieldValue]:
+    """A peer's fields fit for one log line: names and texts cut, at most MAX_FIELDS, `budget` characters."""
+    bounded: dict[str, FieldValue] = {}
+    left_out = 0
+    for key, value in fields.items():
+        if len(bounded) >= MAX_FIELDS or budget <= 0:
+            left_out += 1
+            continue
+        name = cut(key, MAX_NAME_CHARS)
+        if isinstance(value, str):
+            value = cut(value, min(MAX_TEXT_CHARS, budget))
+        budget -= len(name) + (len(value) if isinstance(value, str) else 24)
+        bounded[name] = value
+    if left_out:
+        bounded["fields_left_out"] = left_out
+    return bounded
 
 
 class EventBudget:

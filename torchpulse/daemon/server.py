@@ -23,6 +23,7 @@ import structlog
 
 import torchpulse
 from torchpulse.daemon.control import ControlHub, NotAuthorized
+from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.peercred import peer_of
 from torchpulse.daemon.registry import NODE_LOG_EVENT, Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
@@ -75,11 +76,15 @@ SMALL_FRAME_BYTES: Final = 64 << 10
 WRITE_TIMEOUT: Final = 10.0
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
 REJECT_LOG_INTERVAL: Final = 10.0
+# A rejection's detail can quote the frame (msgspec names an unknown type by its value): cut in the
+# log line and in the answer, so a peer gets back no megabyte it sent.
+MAX_DETAIL_CHARS: Final = 1000
 # While a rank's log events are suppressed (see EventBudget), how often the daemon says how many.
 SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
-RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self"}
+RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self", "exc_info", "exception",
+                          "stack_info"}
 
 
 class StalledReader(Exception):
@@ -98,10 +103,13 @@ async def drain(writer: asyncio.StreamWriter) -> None:
 async def close_connection(writer: asyncio.StreamWriter) -> None:
     """Close gracefully (what is buffered is still sent), or abort a peer that does not read it."""
     writer.close()
-    with contextlib.suppress(Exception):
+    try:
         async with asyncio.timeout(WRITE_TIMEOUT):
             await writer.wait_closed()
-    writer.transport.abort()  # a no-op once closed
+    except Exception:
+        # Only here: once a close flushed a large reply and completed, the transport has let go of its
+        # loop, and abort() would raise AttributeError (asyncio on 3.11 logs it as an unhandled exception).
+        writer.transport.abort()
 
 
 class AgentServer:
@@ -265,7 +273,8 @@ class AgentServer:
         try:
             reply: CtlReply | ErrorReply = await self.control.handle(request, peer)
         except NotAuthorized as exc:
-            log.warning("command refused", command=request.name, run=request.run,
+            log.warning("command refused", command=cut(request.name, MAX_NAME_CHARS),
+                        run=cut(request.run, MAX_NAME_CHARS),
                         uid=peer.uid if peer else None, pid=peer.pid if peer else None, reason=str(exc))
             reply = ErrorReply("not_authorized", str(exc))
         writer.write(encode(reply))
@@ -302,15 +311,18 @@ class AgentServer:
         self._buffered -= length
         self._buffer_freed.set()
 
-    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: object, exc_info: bool = False) -> None:
+    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: Peer | None,
+                exc_info: bool = False) -> None:
         self.registry.reject_frame(exc.reason)
+        detail = cut(str(exc), MAX_DETAIL_CHARS)
         now = time.monotonic()
         if now - self._last_reject_log.get(exc.reason, -REJECT_LOG_INTERVAL) >= REJECT_LOG_INTERVAL:
             self._last_reject_log[exc.reason] = now
-            log.warning("rejected a frame and closed the connection", reason=exc.reason,
-                        detail=str(exc), peer=repr(peer), exc_info=exc_info)
+            log.warning("rejected a frame and closed the connection", reason=exc.reason, detail=detail,
+                        peer_pid=peer.pid if peer else None, peer_uid=peer.uid if peer else None,
+                        exc_info=exc_info)
         with contextlib.suppress(Exception):
-            writer.write(encode(ErrorReply(exc.reason, str(exc))))
+            writer.write(encode(ErrorReply(exc.reason, detail)))
 
     def _route_checkpoints(self, run: str, rank: int, events: list[LogEvent]) -> None:
         if self.on_checkpoint is None:
@@ -330,7 +342,8 @@ class AgentServer:
             level = event.level if event.level in LEVELS else "info"
             # An agent's field must not override who sent it.
             fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
-            getattr(log, level)(event.event, run=run, rank=state.hello.rank, agent_ts=event.ts, **fields)
+            getattr(log, level)(cut(event.event, MAX_NAME_CHARS), run=run, rank=state.hello.rank, agent_ts=event.ts,
+                                **bounded_fields(fields))
         _report_suppressed(run, state, now)
 
 

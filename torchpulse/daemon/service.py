@@ -205,7 +205,7 @@ class Daemon:
             removal = asyncio.create_task(self._remove_textfile(running.textfile), name="remove old textfile")
             self._textfile_removals.add(removal)
             removal.add_done_callback(self._textfile_removals.discard)
-        log.info("config reloaded", path=str(self.config_path))
+        log.info("config reloaded", path=str(self.config_path) if self.config_path else None)
         # Last, so that the line above still reaches a log that was at info.
         if (new.daemon.log_format, new.daemon.log_level) != (running.log_format, running.log_level):
             logs.configure(new.daemon.log_format, new.daemon.log_level)
