@@ -10,7 +10,6 @@ answered (400, 414, 431, ...) before the connection is closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import re
 import time
@@ -103,10 +102,13 @@ class MetricsServer:
         finally:
             self._open -= 1
             writer.close()
-            with contextlib.suppress(Exception):
+            try:
                 async with asyncio.timeout(WRITE_TIMEOUT):
                     await writer.wait_closed()
-            writer.transport.abort()  # a no-op once closed
+            except Exception:
+                # Only a close that failed or stalled: one that flushed a buffered reply and completed has
+                # let go of its loop, and abort() would raise (as the agent server's close_connection found).
+                writer.transport.abort()
 
     def _evict_oldest_waiting(self) -> bool:
         """At the limit, drop the connection that has waited longest for a request (slowloris first)."""
