@@ -139,6 +139,11 @@ def test_a_probe_bug_disables_the_probe_once_and_never_reaches_the_job(
         assert 1 == sum("probe failed" in r.getMessage() for r in caplog.records)
         assert 1.0 == agent.store.value("agent_probe_errors_total", ("optimizer",))
         assert (False, 0.0) == (probe.enabled, agent.store.value("agent_probe_enabled", ("optimizer",)))
+        # The daemon's log gets it too, with the frame that raised: operators read the journal.
+        [event] = [e for e in agent._events if e.event.startswith("probe failed")]
+        assert ("error", "optimizer", "ZeroDivisionError: division by zero") == (
+            event.level, event.fields["probe"], event.fields["error"])
+        assert "1 / 0" in str(event.fields["traceback"])
     finally:
         agent.shutdown()
 

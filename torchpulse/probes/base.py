@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.probes")
 F = TypeVar("F", bound=Callable[..., Any])
+# An agent event field holds at most 4096 characters (agent.MAX_FIELD_CHARS); keep the traceback's end.
+MAX_TRACEBACK_CHARS = 4000
 _depth = threading.local()
 
 
@@ -128,6 +130,10 @@ class Probe:
             return
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         log.warning("probe failed and disabled itself; training continues", probe=self.name, error=summary)
+        # The daemon's log too, with where it failed: the operator sees the alert and the journal, not the
+        # job's stderr. The traceback's end (the frames that raised) is kept within an event field's limit.
+        self.agent.emit("error", "probe failed and disabled itself; training continues", probe=self.name,
+                        error=summary, traceback="".join(traceback.format_exception(exc))[-MAX_TRACEBACK_CHARS:])
         self.agent.record_quiet(self._count_error)
         try:
             self.uninstall()
