@@ -60,6 +60,24 @@ def test_records_without_reasons_count_recompiles_as_other(agent: Any) -> None:
     assert {("ok",): 3.0} == _series(agent, "compile_frames_total")
 
 
+def test_a_limit_hit_torch_2_10_records_as_recompile_limit_exceeded_is_no_recompile(agent: Any) -> None:
+    """Torch 2.8-2.10 fail the frame with RecompileLimitExceeded and keep the last recompile reason on it:
+    one limit hit, and no `tensor_size` recompile."""
+
+    @dataclasses.dataclass
+    class Metrics210(OldMetrics):
+        is_forward: bool = True
+        recompile_reason: str | None = "tensor 'x' size mismatch at index 0. expected 3, actual 4"
+
+    probe = agent.probes["compile"]
+    agent.record(probe._on_compilation, Compilation.of(Metrics210(
+        "0/8", fail_type="RecompileLimitExceeded", fail_reason="recompile_limit reached")))
+    agent.drain()
+    label = function_label("step", "/job/train.py", 7)
+    assert {(label,): 1.0} == _series(agent, "recompile_limit_hits_total")
+    assert {} == _series(agent, "recompiles_total")
+
+
 def count_fn(x: torch.Tensor, n: int) -> torch.Tensor:
     return x * n
 

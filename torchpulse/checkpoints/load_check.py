@@ -48,11 +48,14 @@ def to_torch_metadata(ckpt: Checkpoint) -> Any:
         )
         for s in ckpt.storage
     }
+    # Metadata has a `version` field from torch ~2.9 (2.8 has none, 2.10 has it): passed where it exists.
+    has_version = "version" in getattr(Metadata, "__dataclass_fields__", {})
+    version: dict[str, Any] = {"version": ckpt.version} if has_version else {}
     return Metadata(
         state_dict_metadata=state,
         planner_data=dict(ckpt.key_paths),
         storage_data=storage,
-        version=ckpt.version,
+        **version,
     )
 
 

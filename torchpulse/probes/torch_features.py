@@ -4,7 +4,8 @@ The probes read torch's private surfaces (loggers, counters, callbacks, the
 CUDA-graph tree manager). Each is detected at run time and recorded in
 `FEATURES` with the reason it is missing, so a probe degrades one feature at
 a time with a logged reason instead of failing on an unexpected torch.
-Verified against torch 2.13; earlier notes say where behaviour changed.
+Verified against torch 2.13, and on 2.10.0, 2.14.1 and 2.15.0 (2.4.1 and 2.8.0 for the notes that name
+them); the notes say where behaviour changed.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ CUDAGRAPH_TREES: Final = "torch._inductor.cudagraph_trees"
 # A limit hit fails the frame with Unsupported ("Dynamo recompile limit exceeded"; older torch: "cache_size_limit
 # reached") and the function runs eagerly from then on. Under `fullgraph=True` or `fail_on_recompile_limit_hit`
 # it raises one of RECOMPILE_LIMIT_ERRORS into the job instead, whose 2.13 message ("Hard failure due to
-# fullgraph=True") names no limit; FailOnCacheLimitHit is the older name of that error.
+# fullgraph=True") names no limit; FailOnCacheLimitHit is the older name of that error. Torch 2.8-2.10 (checked
+# on both) fail the frame with RecompileLimitExceeded ("recompile_limit reached") and still carry the last
+# recompile reason: read as a reason, a limit hit counted as a `tensor_size` recompile.
 RECOMPILE_LIMIT_MARKERS: Final = ("recompile limit exceeded", "cache_size_limit", "recompile_limit")
 RECOMPILE_LIMIT_FAIL_TYPES: Final = ("Unsupported",)
-RECOMPILE_LIMIT_ERRORS: Final = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+RECOMPILE_LIMIT_ERRORS: Final = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit", "RecompileLimitExceeded")
 CUDAGRAPH_SKIP_PREFIX: Final = "skipping cudagraph"
 # Every skip is logged (WARNING, CUDAGRAPHS_LOGGER) by this function, which then bumps the counter; not
 # every message starts with the prefix ("input storage mutation ...", "disabling cudagraphs due to
