@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from tests.checkpoints.conftest import SAVE_SCRIPT, run_ranks
+from torchpulse.daemon.checkpoint_config import CheckpointsConfig
+from torchpulse.daemon.checkpoint_service import CheckpointService
 
-__all__ = ["SAVE_SCRIPT", "run_ranks", "save_single"]
+__all__ = ["SAVE_SCRIPT", "run_ranks", "run_service", "save_single"]
+
+
+def run_service(tmp_path: Path, config: CheckpointsConfig,
+                body: Callable[[CheckpointService], Awaitable[None]]) -> None:
+    """Run `body` against a started CheckpointService (state in tmp_path/state), closed afterwards."""
+    async def main() -> None:
+        (tmp_path / "state").mkdir(exist_ok=True)
+        service = CheckpointService(config, tmp_path / "state")
+        await service.start()
+        try:
+            await body(service)
+        finally:
+            await service.close()
+
+    asyncio.run(main())
 
 
 def save_single(out: Path) -> None:

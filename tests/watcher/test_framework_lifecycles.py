@@ -12,14 +12,14 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tests.watcher.conftest import commit_copy
+from tests.watcher.conftest import commit_copy, run_service
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.protocol import CheckpointSaved
@@ -32,19 +32,6 @@ async def _until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met"
         await asyncio.sleep(0.02)
-
-
-def _run(tmp_path: Path, config: CheckpointsConfig, body: Callable[[CheckpointService], Awaitable[None]]) -> None:
-    async def main() -> None:
-        (tmp_path / "state").mkdir(exist_ok=True)
-        service = CheckpointService(config, tmp_path / "state")
-        await service.start()
-        try:
-            await body(service)
-        finally:
-            await service.close()
-
-    asyncio.run(main())
 
 
 def _validations(service: CheckpointService, root: Path) -> dict[str, int]:
@@ -100,7 +87,7 @@ def test_hugging_face_and_plain_torch_files_are_neither_incomplete_nor_broken(tm
                                  service.stats.root(str(root)).last_status)
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     told = sorted(str(entry["path"]) for entry in logs if str(entry["event"]).startswith("not a DCP checkpoint"))
     assert [str(root / name) for name in ("checkpoint-1000", "checkpoint-500", "final")] == told
 
@@ -128,7 +115,7 @@ def test_retention_deleting_an_old_checkpoint_is_not_an_incomplete_save(
         assert ({"valid": 1}, "valid", 0) == (_validations(service, root), service.stats.root(str(root)).last_status,
                                               service.stats.root(str(root)).incomplete)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
 
 
 def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save_commits(
@@ -155,7 +142,7 @@ def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save
         await _until(lambda: bool(_validations(service, root)))
         assert ({"valid": 1}, "valid") == (_validations(service, root), service.stats.root(str(root)).last_status)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
 
 
 def test_a_latest_symlink_on_a_polled_root_is_not_a_second_checkpoint(
@@ -176,6 +163,6 @@ def test_a_latest_symlink_on_a_polled_root_is_not_a_second_checkpoint(
         await _until(lambda: not service._in_flight and not service._pending)
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     validated = [entry["path"] for entry in logs if entry["event"] == "checkpoint validated"]
     assert sorted([str(root / "step-1"), str(root / "step-2")]) == sorted(validated)

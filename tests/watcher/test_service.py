@@ -6,12 +6,12 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.watcher.conftest import commit_copy
+from tests.watcher.conftest import commit_copy, run_service
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
@@ -58,20 +58,6 @@ async def _heartbeat(gaps: list[float]) -> None:
         gaps.append(time.monotonic() - before)
 
 
-def _run(tmp_path: Path, config: CheckpointsConfig,
-         body: Callable[[CheckpointService], Awaitable[None]]) -> None:
-    async def main() -> None:
-        service = CheckpointService(config, tmp_path / "state")
-        (tmp_path / "state").mkdir(exist_ok=True)
-        await service.start()
-        try:
-            await body(service)
-        finally:
-            await service.close()
-
-    asyncio.run(main())
-
-
 def _tiny_checkpoint(path: Path) -> None:
     """A committed checkpoint as far as the watcher can tell (the fake worker reads nothing)."""
     path.mkdir(parents=True)
@@ -101,7 +87,7 @@ def test_events_and_announcements_for_one_checkpoint_validate_it_once(
         await _until(lambda: service.stats.root(str(root)).validations["valid"] >= 1)
         await asyncio.sleep(0.5)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert [str(root / "step-1")] == worker.calls
 
 
@@ -118,7 +104,7 @@ def test_validations_never_exceed_the_concurrency_limit(
             commit_copy(saved_checkpoint, root / f"step-{step}")
         await _until(lambda: service.stats.root(str(root)).validations["valid"] == 5)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert (5, 2) == (len(set(worker.calls)), worker.most)
 
 
@@ -133,7 +119,7 @@ def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
         commit_copy(saved_checkpoint, root / "step-1")
         await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
 
-    _run(tmp_path, config, first)
+    run_service(tmp_path, config, first)
     commit_copy(saved_checkpoint, root / "step-2")
 
     async def second(service: CheckpointService) -> None:
@@ -141,7 +127,7 @@ def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
         await service.sweep()
         assert "valid" == service.stats.root(str(root)).last_status
 
-    _run(tmp_path, config, second)
+    run_service(tmp_path, config, second)
     assert [str(root / "step-1"), str(root / "step-2")] == worker.calls
 
 
@@ -159,7 +145,7 @@ def test_an_overwrite_in_place_is_validated_again(
         commit_copy(saved_checkpoint, root / "step-1")
         await _until(lambda: service.stats.root(str(root)).validations["valid"] == 2)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert 2 == len(worker.calls)
 
 
@@ -183,7 +169,7 @@ def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(
         await _until(lambda: len(worker.calls) == 1)
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     lost = [e for e in logs if e["event"].startswith("checkpoint root watch lost")]
     assert ["root_deleted"] == [e["reason"] for e in lost]
 
@@ -203,7 +189,7 @@ def test_announced_roots_past_the_cap_fold_into_other(
         await _until(lambda: len(worker.calls) == 2)
         await _until(lambda: service.stats.root("other").validations["valid"] == 1)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert sorted([str(first), str(second)]) == sorted(worker.calls)
 
 
@@ -271,12 +257,12 @@ def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
     async def body(service: CheckpointService) -> None:
         await _until(lambda: service.stats.root(str(root)).last_status == "valid")
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
 
     async def after(service: CheckpointService) -> None:
         assert str(root) not in service.stats.roots
 
-    _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), after)
+    run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), after)
 
 
 def test_a_state_database_from_before_the_ttl_keeps_its_announced_roots(tmp_path: Path) -> None:
@@ -319,7 +305,7 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
             shutil.rmtree(step)
         await service.prune()
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     store = StateStore(tmp_path / "state")
     # step-1 is gone; step-2 exists; step-3 is the newest valid, step-4 the newest.
     assert [False, True, True, True] == [store.key_of(str(step)) is not None for step in steps]
@@ -329,7 +315,7 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
         shutil.rmtree(steps[1])  # the root is now empty, as an unmounted mount point looks
         await service.prune()
 
-    _run(tmp_path, config, unmounted)
+    run_service(tmp_path, config, unmounted)
     store = StateStore(tmp_path / "state")
     assert store.key_of(str(steps[1])) is not None
     store.close()
@@ -361,7 +347,7 @@ def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
             (s.labels, s.value) for s in family.samples]
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert [150_000] == [e["findings"] for e in logs if e["event"] == "checkpoint validated"]
 
 
@@ -404,7 +390,7 @@ def test_saves_faster_than_validations_validate_the_newest_checkpoint_next(
         await _until(lambda: service.stats.root(str(root)).validations["valid"] == 4)
         assert "valid" == service.stats.root(str(root)).last_status
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert [str(steps[n]) for n in (0, 3, 2, 1)] == worker.calls
 
 
@@ -430,5 +416,5 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
         await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
         await asyncio.sleep(0.3)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert [str(step), str(step)] == worker.calls

@@ -22,6 +22,7 @@ from typing import Final
 import structlog
 
 import torchpulse
+from torchpulse.aio import close_connection
 from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.peercred import peer_of
@@ -98,18 +99,6 @@ async def drain(writer: asyncio.StreamWriter) -> None:
             await writer.drain()
     except TimeoutError:
         raise StalledReader from None
-
-
-async def close_connection(writer: asyncio.StreamWriter) -> None:
-    """Close gracefully (what is buffered is still sent), or abort a peer that does not read it."""
-    writer.close()
-    try:
-        async with asyncio.timeout(WRITE_TIMEOUT):
-            await writer.wait_closed()
-    except Exception:
-        # Only here: once a close flushed a large reply and completed, the transport has let go of its
-        # loop, and abort() would raise AttributeError (asyncio on 3.11 logs it as an unhandled exception).
-        writer.transport.abort()
 
 
 class AgentServer:
@@ -265,7 +254,7 @@ class AgentServer:
                 crashed = owned and not rank.exited
                 (log.warning if crashed else log.info)("agent disconnected", run=run.name, rank=rank.hello.rank,
                                                        pid=rank.hello.pid, said_goodbye=rank.exited)
-            await close_connection(writer)
+            await close_connection(writer, WRITE_TIMEOUT)
             if task is not None:
                 self._tasks.discard(task)
 

@@ -18,6 +18,7 @@ from typing import Final
 
 import structlog
 
+from torchpulse.aio import close_connection
 from torchpulse.exporters.prometheus import CONTENT_TYPE, Exposition
 
 log = structlog.get_logger("torchpulse.exporters.http")
@@ -101,14 +102,7 @@ class MetricsServer:
             writer.transport.abort()
         finally:
             self._open -= 1
-            writer.close()
-            try:
-                async with asyncio.timeout(WRITE_TIMEOUT):
-                    await writer.wait_closed()
-            except Exception:
-                # Only a close that failed or stalled: one that flushed a buffered reply and completed has
-                # let go of its loop, and abort() would raise (as the agent server's close_connection found).
-                writer.transport.abort()
+            await close_connection(writer, WRITE_TIMEOUT)
 
     def _evict_oldest_waiting(self) -> bool:
         """At the limit, drop the connection that has waited longest for a request (slowloris first)."""
