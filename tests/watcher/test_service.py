@@ -217,8 +217,10 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
         try:
             service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
             await _until(lambda: service.stats.root(str(first.parent)).validations["valid"] == 1)
+            assert clock.now == service.stats.roots[str(first.parent)].last_announced
             clock.now += 90.0  # a later save of job A keeps its root alive
             service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
+            assert clock.now == service.stats.roots[str(first.parent)].last_announced
             clock.now += 90.0
             await service.sweep()
             assert [str(first.parent)] == service.roots()
@@ -238,6 +240,7 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
             assert [str(second.parent)] == restarted.roots()
             assert str(first.parent) not in restarted.stats.roots
             assert restarted.stats.roots[str(second.parent)].last_status == "valid"
+            assert clock.now == restarted.stats.roots[str(second.parent)].last_announced
             clock.now += 101.0  # nothing announced while it was down, either
             await restarted.sweep()
             assert [] == restarted.roots()
@@ -256,6 +259,9 @@ def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
 
     async def body(service: CheckpointService) -> None:
         await _until(lambda: service.stats.root(str(root)).last_status == "valid")
+        # A configured root is watched whatever jobs do: an announcement under it exports no time.
+        service.announce("a", 0, CheckpointSaved(str(root / "step-1"), "save", 1.0, True))
+        assert service.stats.root(str(root)).last_announced is None
 
     run_service(tmp_path, config, body)
 

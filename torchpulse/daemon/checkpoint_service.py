@@ -179,8 +179,12 @@ class CheckpointService:
         assert self._watches is not None
         self._watches.sync()
         labels = {self._label(root) for root in self._watches.wanted}
-        for label in labels:
-            self.stats.root(label)
+        configured = {root.path for root in self.config.roots}
+        for root in self._watches.wanted:
+            # Announced roots say when a job last announced a save there: the alert on old checkpoints
+            # leaves a root alone once its jobs stopped saving (they ended), as it cannot for configured ones.
+            announced = None if root in configured else self._announced.get(root)
+            self.stats.root(self._label(root)).last_announced = announced
         # A root no longer configured or announced (restored from the state
         # store, removed on SIGHUP, expired) must not export frozen series forever.
         self.stats.retain(labels | {OTHER})
@@ -263,8 +267,9 @@ class CheckpointService:
         assert self._store is not None
         root = self._root_of(path)
         if root in self._announced:
-            self._announced[root] = self._clock()
-            self._store.touch_announced_root(root, self._announced[root])
+            self._touch_announced(root)
+            if root not in self._folded and root not in {r.path for r in self.config.roots}:
+                self.stats.root(root).last_announced = self._announced[root]
         elif root is None:
             self._expire_announced()
             parent = str(Path(path).parent)
@@ -275,8 +280,7 @@ class CheckpointService:
                 self._log_once(f"top {path}", "checkpoint saved directly under /: validated, its parent not "
                                "watched", run=run, path=path)
             elif len(self._announced) < self.config.max_announced_roots:
-                self._announced[parent] = self._clock()
-                self._store.touch_announced_root(parent, self._announced[parent])
+                self._touch_announced(parent)
                 self._folded.discard(parent)
                 self._sync_roots()
             elif parent not in self._folded:
@@ -285,6 +289,11 @@ class CheckpointService:
                             "its metrics use root=\"other\"", root=parent, run=run,
                             max_announced_roots=self.config.max_announced_roots)
         self._commit(path, self._root_of(path))
+
+    def _touch_announced(self, root: str) -> None:
+        assert self._store is not None
+        self._announced[root] = self._clock()
+        self._store.touch_announced_root(root, self._announced[root])
 
     def _commit(self, path: str, root: str | None) -> None:
         """`.metadata` appeared in `path` under `root`: validate once things have been quiet for a moment."""

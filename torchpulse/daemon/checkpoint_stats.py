@@ -29,6 +29,8 @@ class RootStats:
     findings: FindingCounts = field(default_factory=dict)
     bytes: int = 0
     incomplete: int = 0
+    # When a job last announced a save under this root; None for configured roots (watched regardless).
+    last_announced: float | None = None
 
 
 @dataclass

@@ -41,7 +41,12 @@ class CheckpointCollector:
         incomplete = GaugeMetricFamily("torchpulse_checkpoint_incomplete",
                                        "Saves under the root with data files but no metadata past the timeout.",
                                        labels=["root"])
+        announced = GaugeMetricFamily("torchpulse_checkpoint_last_announced_timestamp_seconds",
+                                      "Unix time a job last announced a save under the root; only for roots "
+                                      "watched because of announcements, not configured ones.", labels=["root"])
         for root, stats in sorted(self.stats.roots.items()):
+            if stats.last_announced is not None:
+                announced.add_metric([root], stats.last_announced)
             for status in STATUSES:
                 # Listed at zero so that increase() alerts have a series from the start.
                 validations.add_metric([root, status], float(stats.validations.get(status, 0)))
@@ -56,7 +61,7 @@ class CheckpointCollector:
                 last_valid.add_metric([root], stats.last_valid)
             for (rule, severity), count in sorted(stats.findings.items()):
                 findings.add_metric([root, rule, severity], float(count))
-        yield from (validations, last_validation, last_status, last_valid, findings, size, incomplete)
+        yield from (validations, last_validation, last_status, last_valid, findings, size, incomplete, announced)
         yield self._durations()
 
     def _durations(self) -> Metric:
