@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import commit_copy
-from tests.watcher.test_service import FakeWorker, _run, _tiny_checkpoint, _until
+from tests.watcher.conftest import commit_copy, run_service
+from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
@@ -171,7 +171,7 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
         # Remembered: should the root come back, that checkpoint is not validated again.
         assert service._store.key_of(str(dropped / "step-2")) is not None
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
 
 
 def test_an_agent_socket_removed_while_running_is_bound_again(tmp_path: Path) -> None:

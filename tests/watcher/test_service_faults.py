@@ -18,7 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 from watchdog.observers import inotify_c
 
-from tests.watcher.test_service import FakeWorker, _heartbeat, _run, _tiny_checkpoint, _until
+from tests.watcher.conftest import run_service
+from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_roots, checkpoint_runner, checkpoint_service, watcher
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_mounts import Mount
@@ -105,7 +106,7 @@ def test_an_unusable_announced_path_is_refused_once_and_never_stored(
         assert [str(good.parent)] == service.roots()
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert [repr(bad)] == [entry["path"] for entry in _events(logs, "announced checkpoint path refused")]
     assert [] == _events(logs, "checkpoint sweep failed")
     store = StateStore(tmp_path / "state")
@@ -123,7 +124,7 @@ def test_saves_to_a_url_are_skipped_with_one_line_per_run_not_one_warning_per_sa
         assert [] == service.roots()
 
     with capture_logs() as logs:
-        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+        run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
     assert [] == _events(logs, "announced checkpoint path refused")
     assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoints saved to a URL")]
     assert [] == worker.calls
@@ -139,7 +140,7 @@ def test_an_exception_in_announce_never_reaches_the_agent_server(
         service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
 
     with capture_logs() as logs:
-        _run(tmp_path, CheckpointsConfig(), body)
+        run_service(tmp_path, CheckpointsConfig(), body)
     assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoint announcement failed")]
 
 
@@ -159,7 +160,7 @@ def test_unusable_announced_roots_stored_by_older_versions_are_forgotten_at_star
         assert [str(good)] == service.roots()
         await service.sweep()
 
-    _run(tmp_path, CheckpointsConfig(), body)
+    run_service(tmp_path, CheckpointsConfig(), body)
     store = StateStore(tmp_path / "state")
     assert [str(good)] == list(store.announced_roots())
     store.close()
@@ -182,7 +183,7 @@ def _run_removing_deep_trees(tmp_path: Path, root: Path, config: CheckpointsConf
     """Run the service with captured logs; the deep tree goes, wherever the body left it."""
     try:
         with capture_logs() as logs:
-            _run(tmp_path, config, body)
+            run_service(tmp_path, config, body)
     finally:
         _remove_deep_tree(tmp_path / "deep")
         _remove_deep_tree(root / "deep")
@@ -279,7 +280,7 @@ def test_a_checkpoint_directly_under_the_filesystem_root_never_makes_it_a_root(
         assert [str(job.parent)] == service.roots()
 
     with capture_logs() as logs:
-        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+        run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
     assert [top] == [entry["path"] for entry in _events(logs, "checkpoint vanished before validation")]
     assert [top] == [entry["path"] for entry in _events(logs, "checkpoint saved directly under /")]
 
@@ -358,7 +359,7 @@ def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep
             await service.sweep()
         await asyncio.sleep(0.1)
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert 3 == len(worker.calls)
 
 
@@ -383,7 +384,7 @@ def test_a_fallback_to_polling_survives_sighup_until_the_root_observer_changes(
         await service.sweep()
         assert "inotify" == service._watcher.watched()[str(root)]
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
 
 
 def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
@@ -404,7 +405,7 @@ def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
         await _until(lambda: len(worker.calls) == 1)
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert [] == _events(logs, "cannot watch checkpoint root")
     assert [str(root)] == [entry["root"] for entry in _events(logs, "inotify cannot watch")]
 
@@ -450,7 +451,7 @@ def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
         assert {str(root): "polling"} == service._watcher.watched()
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert [] != budget.refused
     assert ["inotify watch limit reached"] == [entry["error"] for entry in _events(logs, "inotify cannot watch")]
 
@@ -500,7 +501,7 @@ def test_a_symlinked_root_watched_with_inotify_sees_new_checkpoints_and_follows_
         await _until(lambda: len(worker.calls) == 2)
         assert 2 == service.stats.root(str(link)).validations["valid"]
 
-    _run(tmp_path, config, body)
+    run_service(tmp_path, config, body)
     assert [str(link / "step-1"), str(link / "step-2")] == worker.calls
 
 
@@ -530,7 +531,7 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
         assert 2 == service.stats.root(str(root)).incomplete
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert sorted([str(with_dir), str(with_link)]) == sorted(worker.calls)
     assert [] == _events(logs, "checkpoint vanished")
 
@@ -558,6 +559,6 @@ def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
         assert {str(root): "inotify"} == service._watcher.watched()
 
     with capture_logs() as logs:
-        _run(tmp_path, config, body)
+        run_service(tmp_path, config, body)
     assert 1 == len(_events(logs, "this watchdog's inotify internals differ: running out of inotify watches below "
                                   "a root is noticed only by the periodic sweep"))

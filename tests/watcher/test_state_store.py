@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.watcher.test_service import FakeWorker, _heartbeat, _run, _tiny_checkpoint, _until
+from tests.watcher.conftest import run_service
+from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
@@ -39,7 +40,7 @@ def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(
     async def validated(service: CheckpointService) -> None:
         await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
 
-    _run(tmp_path, config, validated)
+    run_service(tmp_path, config, validated)
     state = tmp_path / "state" / DB_NAME
     assert not state.with_name(DB_NAME + "-wal").exists()  # closed cleanly: everything is in the file
     with state.open("r+b") as file:
@@ -47,13 +48,13 @@ def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(
         file.write(b"\xa5" * (state.stat().st_size - PAGE))
 
     with capture_logs() as logs:
-        _run(tmp_path, config, validated)
+        run_service(tmp_path, config, validated)
 
     async def restarted(service: CheckpointService) -> None:
         await service.sweep()
         await asyncio.sleep(0.2)
 
-    _run(tmp_path, config, restarted)
+    run_service(tmp_path, config, restarted)
     assert [str(root / "step-1")] * 2 == worker.calls
     [corrupt] = [entry for entry in logs if entry["event"].startswith("checkpoint state file is corrupt")]
     assert [Path(corrupt["moved_to"])] == list(state.parent.glob(f"{DB_NAME}.corrupt-*"))
@@ -101,7 +102,7 @@ def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
             beat.cancel()
 
     with capture_logs() as logs:
-        _run(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
+        run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
     assert [str(step)] == worker.calls
     assert max(gaps) < 2.5
     assert ["database is locked"] == [entry["error"] for entry in logs
