@@ -75,7 +75,7 @@ def test_a_job_that_stays_nan_logs_a_burst_then_one_line_a_minute_and_counts_eve
         logged = events(agent, "autograd.nonfinite_gradients")
         assert list(range(autograd.NONFINITE_LOG_BURST)) == [e["pass_index"] for e in logged]
         probe = agent.probes["autograd"]
-        probe._nonfinite_log_stamp -= autograd.NONFINITE_LOG_INTERVAL  # a minute later
+        probe._nonfinite_log._stamp -= autograd.NONFINITE_LOG_INTERVAL  # a minute later
         model(torch.ones(1, 4)).sum().backward()
         agent.drain()
         last = events(agent, "autograd.nonfinite_gradients")[-1]

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
+from torchpulse.bounds import cut
 from torchpulse.checkpoints.data_reader import Progress, read_data
 from torchpulse.checkpoints.model import (
     Checkpoint,
@@ -58,14 +59,10 @@ def status_of(findings: Sequence[Finding]) -> Status:
 
 
 def _shortened(finding: Finding) -> Finding:
-    def cut(text: str) -> str:
-        if len(text) <= MAX_FINDING_TEXT:
-            return text
-        return f"{text[:MAX_FINDING_TEXT]}... ({len(text) - MAX_FINDING_TEXT:,} more characters)"
-
     if len(finding.subject) <= MAX_FINDING_TEXT and len(finding.message) <= MAX_FINDING_TEXT:
         return finding
-    return replace(finding, subject=cut(finding.subject), message=cut(finding.message))
+    return replace(finding, subject=cut(finding.subject, MAX_FINDING_TEXT),
+                   message=cut(finding.message, MAX_FINDING_TEXT))
 
 
 def capped(findings: Sequence[Finding]) -> tuple[list[Finding], dict[tuple[str, str], int]]:

@@ -10,6 +10,7 @@ from typing import Final
 
 import structlog
 
+from torchpulse import bounds
 from torchpulse.protocol import FieldValue
 
 # What a peer (an agent, a `ctl` client, a hostile local process) puts into the daemon's log is cut:
@@ -91,10 +92,8 @@ def _with_journal_priority(renderer: structlog.typing.Processor) -> structlog.ty
 
 
 def cut(text: str, limit: int = MAX_TEXT_CHARS) -> str:
-    """`text`, or its first `limit` characters and how many more there were."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+    """`text` cut for the log (`torchpulse.bounds.cut` with the log's default limit)."""
+    return bounds.cut(text, limit)
 
 
 def bounded_fields(fields: Mapping[str, FieldValue], budget: int = MAX_EVENT_CHARS) -> dict[str, FieldValue]:
@@ -113,30 +112,3 @@ def bounded_fields(fields: Mapping[str, FieldValue], budget: int = MAX_EVENT_CHA
     if left_out:
         bounded["fields_left_out"] = left_out
     return bounded
-
-
-class EventBudget:
-    """How many of one agent's log events the daemon writes: a token bucket, counting what it refuses.
-
-    Agents' events become daemon log lines. A buggy or hostile agent can send thousands
-    per frame for as long as it runs; written one by one they fill the journal, whose own
-    rate limit then drops the daemon's lines about every other job too. A burst (a
-    `ctl autograd-log` pass of a large model) is kept whole; past it, `rate` a second.
-    """
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._tokens = burst
-        self._stamp = now
-        self.suppressed = 0
-
-    def take(self, now: float) -> bool:
-        """Whether one more event may be written now; refused ones are counted in `suppressed`."""
-        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-        self._stamp = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        self.suppressed += 1
-        return False

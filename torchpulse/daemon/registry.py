@@ -17,8 +17,8 @@ from typing import Final
 
 import structlog
 
+from torchpulse.bounds import TokenBucket
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.logs import EventBudget
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 log = structlog.get_logger("torchpulse.daemon")
@@ -39,12 +39,14 @@ NODE_LOG_BURST: Final = 250_000
 NODE_LOG_RATE: Final = 2_000.0
 
 
-def _event_budget() -> EventBudget:
-    return EventBudget(EVENT_LOG_RATE, EVENT_LOG_BURST, time.monotonic())
+def _event_budget() -> TokenBucket:
+    # Agents' events become daemon log lines: a buggy or hostile agent sending thousands per frame
+    # would fill the journal, whose own rate limit then drops the daemon's lines about other jobs too.
+    return TokenBucket(EVENT_LOG_RATE, EVENT_LOG_BURST, time.monotonic())
 
 
-def _node_log_budget() -> EventBudget:
-    return EventBudget(NODE_LOG_RATE, NODE_LOG_BURST, time.monotonic())
+def _node_log_budget() -> TokenBucket:
+    return TokenBucket(NODE_LOG_RATE, NODE_LOG_BURST, time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,8 @@ class RankState:
     render_cache: dict[SeriesKey, str | tuple[str, ...]] = field(default_factory=dict)
     # Owned by the server: how many of this rank's log events it still writes, and when it last
     # said how many it did not.
-    log_budget: EventBudget = field(default_factory=_event_budget)
-    node_log_budget: EventBudget = field(default_factory=_node_log_budget)
+    log_budget: TokenBucket = field(default_factory=_event_budget)
+    node_log_budget: TokenBucket = field(default_factory=_node_log_budget)
     suppressed_reported_at: float = 0.0
 
     @property

@@ -80,7 +80,7 @@ REJECT_LOG_INTERVAL: Final = 10.0
 # A rejection's detail can quote the frame (msgspec names an unknown type by its value): cut in the
 # log line and in the answer, so a peer gets back no megabyte it sent.
 MAX_DETAIL_CHARS: Final = 1000
-# While a rank's log events are suppressed (see EventBudget), how often the daemon says how many.
+# While a rank's log events are suppressed (see RankState.log_budget), how often the daemon says how many.
 SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.

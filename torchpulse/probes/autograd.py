@@ -25,6 +25,7 @@ import torch
 import torch.autograd
 import torch.autograd.graph
 
+from torchpulse.bounds import TokenBucket
 from torchpulse.probes import torch_features as tf
 from torchpulse.probes.autograd_config import AutogradConfig
 from torchpulse.probes.autograd_names import NameResolver
@@ -113,9 +114,7 @@ class AutogradProbe(Probe):
         self._names = NameResolver()
         self._node_label = BoundedLabel(self.config.top_nodes)
         self._torch_logging_noted = False
-        self._nonfinite_log_tokens = float(NONFINITE_LOG_BURST)
-        self._nonfinite_log_stamp = time.monotonic()
-        self._nonfinite_not_logged = 0
+        self._nonfinite_log = TokenBucket(1 / NONFINITE_LOG_INTERVAL, NONFINITE_LOG_BURST, time.monotonic())
         # Set once Dynamo is loaded (`_keep_dynamo_out`): its frame callback (None outside
         # compiled code), and the probe's work behind torch.compiler.disable for passes
         # that start inside compiled code.
@@ -362,29 +361,18 @@ class AutogradProbe(Probe):
             if not result.nonfinite:
                 continue
             store.inc("grad_nonfinite_passes_total", ())
-            params = [p for p in (ref() for ref in result.nonfinite) if p is not None]
-            if not self._may_log_nonfinite():
-                self._nonfinite_not_logged += 1
+            budget = self._nonfinite_log
+            if not budget.take(time.monotonic()):
                 continue
+            params = [p for p in (ref() for ref in result.nonfinite) if p is not None]
             shown = self._names.names(params[: self.config.max_names_logged])
             # How many non-finite passes went unlogged since the previous line (the counter has them all).
-            skipped = {"passes_not_logged": self._nonfinite_not_logged} if self._nonfinite_not_logged else {}
-            self._nonfinite_not_logged = 0
+            skipped = {"passes_not_logged": budget.suppressed} if budget.suppressed else {}
+            budget.suppressed = 0
             self.agent.emit("warning", "autograd.nonfinite_gradients",
                             pass_index=result.pass_index, kind=result.kind,
                             parameters=len(result.nonfinite), checked=result.checked,
                             names=",".join(shown), names_truncated=len(params) > len(shown), **skipped)
-
-    def _may_log_nonfinite(self) -> bool:
-        """A token bucket: NONFINITE_LOG_BURST lines, refilled at one per NONFINITE_LOG_INTERVAL."""
-        now = time.monotonic()
-        refill = (now - self._nonfinite_log_stamp) / NONFINITE_LOG_INTERVAL
-        self._nonfinite_log_tokens = min(float(NONFINITE_LOG_BURST), self._nonfinite_log_tokens + refill)
-        self._nonfinite_log_stamp = now
-        if self._nonfinite_log_tokens < 1.0:
-            return False
-        self._nonfinite_log_tokens -= 1.0
-        return True
 
 
 def _ignore(_param: torch.Tensor) -> None:
