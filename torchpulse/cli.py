@@ -11,6 +11,8 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from torchpulse.daemon.log_settings import LOG_FORMATS, LOG_LEVELS
+
     parser = argparse.ArgumentParser(prog="torchpulse", description="Profiling daemon for PyTorch training jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -19,9 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--socket", type=str, help="agent socket path")
     daemon.add_argument("--listen", type=str, help="metrics HTTP listener, HOST:PORT")
     daemon.add_argument("--state-dir", type=str, help="state directory")
-    daemon.add_argument("--log-format", choices=("auto", "json", "console"),
+    daemon.add_argument("--log-format", choices=LOG_FORMATS,
                         help="log format on stderr (default: the config's, auto: JSON unless stderr is a terminal)")
-    daemon.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"),
+    daemon.add_argument("--log-level", choices=LOG_LEVELS,
                         help="minimum log level (default: the config's, info)")
 
     run = sub.add_parser("run", help="run a command with the agent attached (no code change)")

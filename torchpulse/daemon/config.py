@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchpulse.daemon.log_settings import LOG_FORMATS, LOG_LEVELS
 from torchpulse.paths import DEFAULT_LISTEN, default_socket_path, default_state_dir, socket_path_too_long
 
 
@@ -46,9 +47,9 @@ class DaemonSection:
         if too_long is not None:
             raise ConfigError(f"daemon.socket: {str(self.socket)!r}: {too_long}; choose a shorter path")
         parse_listen(self.listen)
-        if self.log_format not in ("auto", "json", "console"):
+        if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError("daemon.log_level: expected debug, info, warning, error or critical, "
                               f"got {self.log_level!r}")
         if self.textfile_interval_seconds <= 0:

@@ -24,6 +24,7 @@ import structlog
 import torchpulse
 from torchpulse.aio import close_connection
 from torchpulse.daemon.control import ControlHub, NotAuthorized
+from torchpulse.daemon.log_settings import LOG_LEVELS
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.peercred import peer_of
 from torchpulse.daemon.registry import NODE_LOG_EVENT, Peer, RankState, Registry, RunState
@@ -82,7 +83,6 @@ REJECT_LOG_INTERVAL: Final = 10.0
 MAX_DETAIL_CHARS: Final = 1000
 # While a rank's log events are suppressed (see RankState.log_budget), how often the daemon says how many.
 SUPPRESSED_REPORT_INTERVAL: Final = 60.0
-LEVELS: Final = {"debug", "info", "warning", "error", "critical"}
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
 RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self", "exc_info", "exception",
                           "stack_info"}
@@ -328,7 +328,7 @@ class AgentServer:
             budget = state.node_log_budget if event.event == NODE_LOG_EVENT else state.log_budget
             if not budget.take(now):
                 continue
-            level = event.level if event.level in LEVELS else "info"
+            level = event.level if event.level in LOG_LEVELS else "info"
             # An agent's field must not override who sent it.
             fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
             getattr(log, level)(cut(event.event, MAX_NAME_CHARS), run=run, rank=state.hello.rank, agent_ts=event.ts,
