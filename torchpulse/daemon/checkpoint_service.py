@@ -179,12 +179,8 @@ class CheckpointService:
         assert self._watches is not None
         self._watches.sync()
         labels = {self._label(root) for root in self._watches.wanted}
-        configured = {root.path for root in self.config.roots}
         for root in self._watches.wanted:
-            # Announced roots say when a job last announced a save there: the alert on old checkpoints
-            # leaves a root alone once its jobs stopped saving (they ended), as it cannot for configured ones.
-            announced = None if root in configured else self._announced.get(root)
-            self.stats.root(self._label(root)).last_announced = announced
+            self._export_announced(root)
         # A root no longer configured or announced (restored from the state
         # store, removed on SIGHUP, expired) must not export frozen series forever.
         self.stats.retain(labels | {OTHER})
@@ -268,8 +264,7 @@ class CheckpointService:
         root = self._root_of(path)
         if root in self._announced:
             self._touch_announced(root)
-            if root not in self._folded and root not in {r.path for r in self.config.roots}:
-                self.stats.root(root).last_announced = self._announced[root]
+            self._export_announced(root)
         elif root is None:
             self._expire_announced()
             parent = str(Path(path).parent)
@@ -289,6 +284,15 @@ class CheckpointService:
                             "its metrics use root=\"other\"", root=parent, run=run,
                             max_announced_roots=self.config.max_announced_roots)
         self._commit(path, self._root_of(path))
+
+    def _export_announced(self, root: str) -> None:
+        """Export when a job last announced a save under `root`; nothing for a configured root.
+
+        The alert on old checkpoints leaves an announced root alone once its jobs stopped
+        saving (they ended), as it cannot for a configured one.
+        """
+        configured = any(r.path == root for r in self.config.roots)
+        self.stats.root(self._label(root)).last_announced = None if configured else self._announced.get(root)
 
     def _touch_announced(self, root: str) -> None:
         assert self._store is not None
