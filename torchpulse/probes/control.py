@@ -36,6 +36,8 @@ __all__ = ["CommandFailed", "Control"]
 MAX_PENDING_COMMANDS = 32
 # Steps whose times give the recent step rate that `status` reports (the daemon plans a trace's start with it).
 STEP_RATE_WINDOW = 16
+# What a trace that missed its start step tells the user (without one, the daemon picks a step ahead).
+_RETRY_LATER = "retry with a later --start-step, or without one"
 
 
 class Control:
@@ -318,7 +320,7 @@ class Control:
             start = self.agent.step + 1
         if start <= self.agent.step:
             raise CommandFailed(f"missed the start step {start}: this rank already finished step "
-                                f"{self.agent.step}; retry with a later --start-step, or without one")
+                                f"{self.agent.step}; {_RETRY_LATER}")
         if current is not None:
             # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
             self._answer(current.command, False, f"superseded by a newer trace request before step "
@@ -338,8 +340,7 @@ class Control:
         try:
             if trace.profiler is None and step >= trace.start_step - 1:
                 if step > trace.start_step - 1:
-                    raise CommandFailed(f"missed the start step {trace.start_step} (at step {step}); retry with a "
-                                        "later --start-step, or without one")
+                    raise CommandFailed(f"missed the start step {trace.start_step} (at step {step}); {_RETRY_LATER}")
                 trace.profiler = trace_capture.start_profiler()
                 if self._trace is not trace:  # detached meanwhile, from another thread
                     trace_capture.stop_quietly(trace.profiler)
