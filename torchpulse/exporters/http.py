@@ -58,6 +58,9 @@ class MetricsServer:
         self._open = 0
         # Connections waiting for their next request, and since when.
         self._waiting: dict[asyncio.StreamWriter, float] = {}
+        # Every open connection and the task serving it, for `close`.
+        self._connections: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
+        self._closing = False
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
@@ -70,13 +73,32 @@ class MetricsServer:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        """Stop listening and end the open connections, then return once each one's task has.
+
+        Prometheus keeps its connection open between scrapes and scrapes on over it: left
+        open, it keeps Server.wait_closed (Python 3.12.1 and later) waiting for as long as
+        the scraper keeps scraping, so a stop ran into systemd's stop timeout (SIGKILL: the
+        textfile stayed behind with its last values). On 3.11 the task was cancelled at
+        the loop's end instead, which asyncio logs as an error.
+        """
+        if self._server is None:
+            return
+        self._closing = True
+        self._server.close()
+        for writer in list(self._connections):
+            writer.transport.abort()
+        await asyncio.gather(*self._connections.values(), return_exceptions=True)
+        await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections[writer] = task
         try:
+            if self._closing:  # accepted just before `close`: its abort loop did not see this one
+                writer.transport.abort()
+                return
             if self._open > MAX_CONNECTIONS and not self._evict_oldest_waiting():
                 await self._respond(writer, 503, b"too many connections\n", keep_alive=False)
                 return
@@ -103,6 +125,7 @@ class MetricsServer:
         finally:
             self._open -= 1
             await close_connection(writer, WRITE_TIMEOUT)
+            self._connections.pop(writer, None)
 
     def _evict_oldest_waiting(self) -> bool:
         """At the limit, drop the connection that has waited longest for a request (slowloris first)."""
