@@ -25,13 +25,17 @@ class AgentsCollector:
             labels=["run", "rank"],
         )
         info = GaugeMetricFamily(
-            "torchpulse_run_info", "Facts about a run (join on `run`); always 1.",
+            "torchpulse_run_info",
+            "Facts about a run, from its first rank on this node (join on `run`, and on `instance` too where a run "
+            "spans nodes: each node's daemon has one); always 1.",
             labels=["run", "torch_version", "world_size", "host", "agent_version", "command"],
         )
         series = GaugeMetricFamily("torchpulse_run_series", "Series the daemon holds for the run.",
                                    labels=["run"])
         rejected = GaugeMetricFamily(
-            "torchpulse_run_series_rejected", "New series refused because the run hit its series limit.",
+            "torchpulse_run_series_rejected",
+            "New series refused because the run hit its series limit, counted since the daemon began holding the "
+            "run (it only grows: use increase()).",
             labels=["run"],
         )
         for run in self.registry.runs.values():

@@ -50,8 +50,9 @@ class DaemonCollector:
             rejected.add_metric([reason], float(reg.frames_rejected.get(reason, 0)))
         yield rejected
         series = CounterMetricFamily("torchpulse_daemon_series_rejected",
-                                     "Series updates refused (unknown family, bad shape, a counter that is NaN, Inf or "
-                                     "negative, run series limit), by reason.",
+                                     "Series updates refused, by reason: unknown_family, bad_shape, bad_buckets, "
+                                     "bad_value (a counter that is NaN, Inf or negative), label_too_long, "
+                                     "run_series_limit.",
                                      labels=["reason"])
         for reason in sorted(set(SERIES_REJECT_REASONS) | set(reg.series_rejected)):
             series.add_metric([reason], float(reg.series_rejected.get(reason, 0)))
