@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,11 @@ from tests.checkpoints.conftest import SAVE_SCRIPT, run_ranks
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 
-__all__ = ["SAVE_SCRIPT", "run_ranks", "run_service", "save_single"]
+__all__ = ["SAVE_SCRIPT", "file_modes_bind", "run_ranks", "run_service", "save_single", "shut_out"]
+PR_CAPBSET_DROP = 24
+# Root passes every permission check through these two; without them, file modes bind it as any other user.
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
+NOBODY = 65534
 
 
 def run_service(tmp_path: Path, config: CheckpointsConfig,
@@ -31,6 +37,40 @@ def run_service(tmp_path: Path, config: CheckpointsConfig,
             await service.close()
 
     asyncio.run(main())
+
+
+def file_modes_bind() -> Callable[[], None]:
+    """A preexec_fn for a daemon that file modes bind, as they bind the `torchpulse` user it runs as in production.
+
+    The tests run as root, which ignores modes (a chmod as root proves nothing). The child drops
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from its bounding set, so the daemon it execs keeps uid 0, owner of
+    the interpreter and of everything the test made, but cannot enter a directory of another user with mode 700.
+    Not root: nothing to drop. Skips where the kernel refuses (no CAP_SETPCAP).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        for cap in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+            if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    if os.geteuid() != 0:
+        return lambda: None
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot drop root's file permission override here: {exc}")
+    return preexec
+
+
+def shut_out(path: Path, mode: int = 0o700) -> None:
+    """`path` as another user's directory with `mode` (as root: owned by nobody; otherwise the mode's owner
+    bits cleared too, so that the test's own user is shut out as well)."""
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+        path.chmod(mode)
+    else:
+        path.chmod(mode & 0o077)
 
 
 def save_single(out: Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import pwd
 import time
 from collections.abc import Callable
 from typing import Final
@@ -30,13 +32,16 @@ SETTLE_SECONDS: Final = 10.0
 class RootWatches:
     """Roots wanted (root -> observer), inotify fallbacks, and the watch operations in flight."""
 
-    def __init__(self, watcher: Watcher, configured: Callable[[], dict[str, str]]) -> None:
+    def __init__(self, watcher: Watcher, configured: Callable[[], dict[str, str]],
+                 readable: Callable[[str, bool], None]) -> None:
         self._watcher = watcher
         self._configured = configured  # root -> observer the config (or an announcement) asks for
+        self._readable = readable  # told whether each wanted root can be read, after each of its watch operations
         self.wanted: dict[str, str] = {}  # root -> observer wanted now: inotify, polling or auto
         # root -> its configured observer when inotify ran out of watches: polled until the config changes it.
         self._fallbacks: dict[str, str] = {}
         self._errors: dict[str, str] = {}  # root -> the watch error last logged
+        self._unreadable: dict[str, str] = {}  # root -> why it cannot be read, as last logged
         self._ops: dict[str, tuple[asyncio.Task[None], float]] = {}  # root -> (operation, monotonic start)
         self._again: set[str] = set()  # roots asked about while their operation was in flight
         self._closing = False
@@ -51,6 +56,7 @@ class RootWatches:
                   for root, observer in configured.items()}
         for root in set(self.wanted) - set(wanted):
             self._errors.pop(root, None)
+            self._unreadable.pop(root, None)
             log.info("stopped watching a checkpoint root", root=root)
         self.wanted = wanted
         self.rewatch()
@@ -127,15 +133,43 @@ class RootWatches:
             return
 
     def _log_outcome(self, root: str, outcome: Outcome) -> None:
+        self._readable(root, not outcome.unreadable)
+        if outcome.unreadable:
+            self._errors.pop(root, None)  # a watch error after it can be read again is news
+            if self._unreadable.get(root) != outcome.error:
+                # Once per reason, not per sweep; each sweep checks again.
+                self._unreadable[root] = outcome.error or ""
+                log.warning("checkpoint root cannot be read; nothing under it is watched or validated until it can "
+                            "(checked again at each sweep)", root=root, error=outcome.error, daemon_user=_user(),
+                            fix="create the directory, or let the daemon's user list it (r and x on it, x on every "
+                                "directory above it), or drop it from [checkpoints] roots")
+            return
+        was = self._unreadable.pop(root, None)
         if outcome.error is None:
             self._errors.pop(root, None)
-            if outcome.changed:
+            if was is not None:
+                log.info("checkpoint root can be read again; watching it", root=root, observer=outcome.observer,
+                         was=was)
+            elif outcome.changed:
                 log.info("watching checkpoint root", root=root, observer=outcome.observer)
-        elif self._errors.get(root) != outcome.error:
+            return
+        if was is not None:
+            log.info("checkpoint root can be read again", root=root, was=was)
+        if self._errors.get(root) != outcome.error:
             # Logged once per reason; the sweep retries quietly.
             self._errors[root] = outcome.error
             log.warning("cannot watch checkpoint root; retrying at each sweep", root=root, observer=outcome.observer,
                         error=outcome.error)
+
+
+@functools.cache
+def _user() -> str:
+    """The daemon's user, for the line that says a root cannot be read (the job often writes as another one)."""
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def log_crash(task: asyncio.Task[None], message: str, **fields: str) -> None:

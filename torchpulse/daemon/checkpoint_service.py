@@ -106,7 +106,7 @@ class CheckpointService:
         mounts: Callable[[], list[Mount]] = read_mounts if self._mounts is None else functools.partial(
             list, self._mounts)
         self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds, mounts)
-        self._watches = RootWatches(self._watcher, self._roots)
+        self._watches = RootWatches(self._watcher, self._roots, self._root_readable)
         self._sync_roots()
         # Roots are usually watched when start returns; a hung mount delays the start a bounded time only.
         await self._watches.settle()
@@ -166,6 +166,10 @@ class CheckpointService:
         """The roots wanted now, configured and announced, sorted."""
         return sorted(self._roots())
 
+    def state_persistent(self) -> bool | None:
+        """Whether validation results go to the state file (False: memory only); None before start."""
+        return None if self._store is None else self._store.persistent
+
     # -- roots ------------------------------------------------------------------
     def _roots(self) -> dict[str, str]:
         """Root path -> configured observer (announced roots use the section's)."""
@@ -184,6 +188,10 @@ class CheckpointService:
         # A root no longer configured or announced (restored from the state
         # store, removed on SIGHUP, expired) must not export frozen series forever.
         self.stats.retain(labels | {OTHER})
+
+    def _root_readable(self, root: str, readable: bool) -> None:
+        """A watch operation found whether `root` (a wanted root) can be read."""
+        self.stats.root(self._label(root)).readable = readable
 
     def _expire_announced(self) -> None:
         """Forget announced roots that no job has announced a save under for the TTL."""

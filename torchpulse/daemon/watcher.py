@@ -90,6 +90,22 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def unreadable(directory: str) -> str | None:
+    """Why the daemon cannot list `directory` and reach what is in it (missing, not a directory, no r or x
+    permission), or None when it can.
+
+    Opened as `directory/.`: looking up `.` needs search (x) permission, the open read (r) permission.
+    The observers do not tell: watchdog ignores EACCES from inotify_add_watch (an inotify watch on a root
+    the daemon may not read "succeeds" and never delivers an event), and its polling emitter keeps
+    retrying a snapshot that fails so, quietly after one warning.
+    """
+    try:
+        with os.scandir(f"{directory}/."):  # not Path: it drops the `.`
+            return None
+    except OSError as exc:
+        return describe(exc)
+
+
 def _exhausts_inotify(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _INOTIFY_LIMITS
 
@@ -228,6 +244,7 @@ class Outcome:
     error: str | None = None
     exhausted: bool = False  # inotify's watch or instance limit: polling needs neither
     changed: bool = False  # newly scheduled, not already watched that way
+    unreadable: bool = False  # the root cannot be listed (`error` says why): not watched at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +305,18 @@ class Watcher:
         """Blocking: watch `root` recursively with `observer` unless it is watched that way already.
 
         "auto" picks by the mount table, with symlinks resolved: a root that
-        links into an NFS mount needs polling however its own path reads.
+        links into an NFS mount needs polling however its own path reads. A
+        root the daemon cannot read is not watched (its watch, if any, stops).
         """
         kind = observer
         try:
             target = os.path.realpath(root)
             kind = choose_observer(target, observer, self._mounts())
+            # Checked first, also for a live watch: an inotify watch outlives a chmod of its root.
+            problem = unreadable(target)
+            if problem is not None:
+                self.unwatch(root)
+                return Outcome(kind, error=problem, unreadable=True)
             with self._lock:
                 entry = self._watches.get(root)
             if entry is not None and entry.kind == kind and entry.target == target and entry.live(self._poll_interval):
