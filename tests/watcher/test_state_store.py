@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint,
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.checkpoint_state import DB_NAME, StateStore
+from torchpulse.daemon.checkpoint_state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CheckpointSaved
 
 PAGE = 4096  # sqlite's default page size: page 1 holds the header and the schema
@@ -107,3 +108,33 @@ def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
     assert max(gaps) < 2.5
     assert ["database is locked"] == [entry["error"] for entry in logs
                                       if entry["event"] == "cannot persist a checkpoint result"]
+
+
+def _record(path: str) -> Record:
+    return Record(path, "/ckpt", "key", "valid", "metadata", 1.0, 1.0, 0, 0.1, {})
+
+
+def test_persistent_says_whether_results_reach_the_file_while_a_removed_one_cannot_be_written_again(
+        tmp_path: Path) -> None:
+    """The state directory removed and a file put in its place: the result stays in memory and `persistent` (the
+    daemon_state_persistent gauge) is False; once the path is free, the next write writes the file and it is True."""
+    state = tmp_path / "state"
+    store = StateStore(state)
+    try:
+        assert store.persistent
+        shutil.rmtree(state)
+        state.write_text("not a directory")
+        with capture_logs() as logs:
+            store.save(_record("/ckpt/step-1"))
+        assert (False, ["checkpoint state file was removed and cannot be written again; results are kept in memory "
+                        "until a restart"]) == (store.persistent, [e["event"] for e in logs])
+        state.unlink()
+        store.save(_record("/ckpt/step-2"))
+        assert store.persistent
+    finally:
+        store.close()
+    again = StateStore(state)
+    try:
+        assert ("key", "key") == (again.key_of("/ckpt/step-1"), again.key_of("/ckpt/step-2"))
+    finally:
+        again.close()

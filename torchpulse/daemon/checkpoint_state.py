@@ -8,9 +8,11 @@ Writes are tiny and rare (one row per validation), so they run on the loop.
 Rows of deleted checkpoint directories are forgotten (`prunable`, `forget`),
 so the file stays as large as what is on disk, whatever the job's retention.
 
-Nothing here raises: a file that cannot be opened leaves the state in memory,
-a corrupt one is set aside for a fresh one, and a read that fails answers
-"nothing known" (the checkpoint is validated again), each logged with why.
+Nothing here raises: a state directory that cannot be written, or a file that
+cannot be opened, leaves the state in memory (`persistent` is False, and one
+warning says what that loses and how to fix it); a corrupt file is set aside for
+a fresh one, and a read that fails answers "nothing known" (the checkpoint is
+validated again), each logged with why.
 A file removed while the daemon runs (`rm -r` of the state directory) is
 written again, whole, from the open connection at the next write.
 """
@@ -53,6 +55,11 @@ FindingCounts = dict[tuple[str, str], int]
 BUSY_TIMEOUT_SECONDS: Final = 0.5
 # Primary result codes of a damaged file ("database disk image is malformed", "file is not a database").
 _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+MEMORY_ONLY: Final = "checkpoint validation state is kept in memory only and lost at a restart"
+# What a restart then costs: the state's two jobs (module docstring).
+LOST: Final = ("after a restart every checkpoint under the configured roots is validated again (their status series "
+               "are empty until then), and the roots jobs announced are forgotten: a save made there while the daemon "
+               "was down is found only once a job announces a save there again")
 
 
 class _Corrupt(sqlite3.DatabaseError):
@@ -111,6 +118,18 @@ def _open(path: Path | str) -> sqlite3.Connection:
     return db
 
 
+def _not_writable(directory: Path) -> str | None:
+    """Why the daemon cannot create files in `directory` (made if missing), or None when it can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".writable"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 class StateStore:
     """A SQLite file, or memory only when the state directory is not writable."""
 
@@ -120,15 +139,30 @@ class StateStore:
         # (st_dev, st_ino) of the file the connection has open, to notice it was removed.
         self._identity: tuple[int, int] | None = None
         self._restore_error: str | None = None  # why writing a removed file again failed, logged once
+        # Whether results go to the file: False when memory only, or while a removed file cannot be written again.
+        self.persistent = False
+        # Validation still works without the file; it stays in memory until a restart, which must then
+        # re-validate what it cannot remember.
+        self._db = self._open_persistent(state_dir) or _open(":memory:")
+
+    def _open_persistent(self, state_dir: Path) -> sqlite3.Connection | None:
+        """The state file's connection, or None after one warning that says why not, what is lost, the fix."""
+        problem = _not_writable(state_dir)
+        if problem is not None:
+            log.warning(f"state directory not writable; {MEMORY_ONLY}", state_dir=str(state_dir), error=problem,
+                        lost=LOST, fix="make state_dir writable by the daemon's user (under systemd: keep it under "
+                        "StateDirectory=, /var/lib/torchpulse, or add it to ReadWritePaths=) and restart the daemon")
+            return None
         try:
-            self._db = self._open_file()
-            self._identity = self._identity_at_path()
-            self.persistent = True
+            db = self._open_file()
         except sqlite3.Error as exc:
-            # Validation still works; a restart re-validates what it cannot remember.
-            log.warning("checkpoint state not persistent; using memory", path=str(self.path), error=str(exc))
-            self._db = _open(":memory:")
-            self.persistent = False
+            log.warning(f"checkpoint state file cannot be opened; {MEMORY_ONLY}", path=str(self.path),
+                        error=str(exc), lost=LOST, fix="move the file aside (a new one is started) or make it "
+                        "readable and writable by the daemon's user, and restart the daemon")
+            return None
+        self._identity = self._identity_at_path()
+        self.persistent = True
+        return db
 
     def _open_file(self) -> sqlite3.Connection:
         try:
@@ -186,6 +220,7 @@ class StateStore:
                 fresh.close()
                 raise
         except (OSError, sqlite3.Error) as exc:
+            self.persistent = False
             error = str(exc)
             if self._restore_error != error:
                 self._restore_error = error
@@ -196,6 +231,7 @@ class StateStore:
         self._db = fresh
         self._identity = self._identity_at_path()
         self._restore_error = None
+        self.persistent = True
         log.warning("checkpoint state file was removed while the daemon ran; wrote it again with everything it held",
                     path=str(self.path))
 

@@ -31,6 +31,8 @@ class RootStats:
     incomplete: int = 0
     # When a job last announced a save under this root; None for configured roots (watched regardless).
     last_announced: float | None = None
+    # Whether the daemon can list the root, as its last watch operation found; None until one has ended.
+    readable: bool | None = None
 
 
 @dataclass

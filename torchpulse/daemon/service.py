@@ -59,7 +59,8 @@ class Daemon:
         self.checkpoints = CheckpointService(checkpoint_config.from_config(self.config), self.config.daemon.state_dir)
         if self.checkpoint_summary is _no_checkpoint_summary:
             self.checkpoint_summary = self.checkpoints.summary
-        self.exposition = build_exposition(self.registry, extra=[CheckpointCollector(self.checkpoints.stats)])
+        self.exposition = build_exposition(self.registry, extra=[
+            CheckpointCollector(self.checkpoints.stats, self.checkpoints.state_persistent)])
         self.control = ControlHub(self.registry, lambda: self.config.daemon.control_group)
         self.agents = AgentServer(self.registry, self.status, self.control, on_checkpoint=self.checkpoints.announce)
         self.metrics = MetricsServer(self.exposition)
@@ -112,7 +113,8 @@ class Daemon:
             # agents would get "connection refused" from a dead socket instead of "no daemon".
             await self.agents.close()
             raise
-        self._prepare_state_dir()
+        # Opens (and makes) the state directory; a daemon that cannot write it stays up, says so once, and
+        # exports torchpulse_daemon_state_persistent 0: a refused start would lose the metrics and the agents too.
         await self.checkpoints.start()
         log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
                  socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
@@ -209,18 +211,6 @@ class Daemon:
         # Last, so that the line above still reaches a log that was at info.
         if (new.daemon.log_format, new.daemon.log_level) != (running.log_format, running.log_level):
             logs.configure(new.daemon.log_format, new.daemon.log_level)
-
-    def _prepare_state_dir(self) -> None:
-        state_dir = self.config.daemon.state_dir
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            probe = state_dir / ".writable"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            # Metrics do not depend on it; features that persist state degrade.
-            log.warning("state directory not writable; continuing without persistence",
-                        state_dir=str(state_dir), error=exc.strerror)
 
     def _start_textfile_write(self, path: Path) -> None:
         if self._textfile_write is not None and not self._textfile_write.done():

@@ -1,8 +1,8 @@
-"""Checkpoint validation results per root, from the daemon's checkpoint watcher."""
+"""Checkpoint validation results per root, from the daemon's checkpoint watcher, and whether its state persists."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import accumulate
 
 from prometheus_client.metrics_core import (
@@ -19,8 +19,10 @@ from torchpulse.daemon.checkpoint_stats import DURATION_BUCKETS, STATUSES, Check
 class CheckpointCollector:
     name = "checkpoints"
 
-    def __init__(self, stats: CheckpointStats) -> None:
+    def __init__(self, stats: CheckpointStats, state_persistent: Callable[[], bool | None] = lambda: None) -> None:
         self.stats = stats
+        # The checkpoint state is all the daemon keeps in its state directory.
+        self.state_persistent = state_persistent
 
     def collect(self) -> Iterator[Metric]:
         validations = CounterMetricFamily("torchpulse_checkpoint_validations",
@@ -44,9 +46,15 @@ class CheckpointCollector:
         announced = GaugeMetricFamily("torchpulse_checkpoint_last_announced_timestamp_seconds",
                                       "Unix time a job last announced a save under the root; only for roots "
                                       "watched because of announcements, not configured ones.", labels=["root"])
+        readable = GaugeMetricFamily("torchpulse_checkpoint_root_readable",
+                                     "1 when the daemon can list the root, 0 when it cannot (missing, not a directory, "
+                                     "permission denied): nothing under it is watched or validated then.",
+                                     labels=["root"])
         for root, stats in sorted(self.stats.roots.items()):
             if stats.last_announced is not None:
                 announced.add_metric([root], stats.last_announced)
+            if stats.readable is not None:
+                readable.add_metric([root], 1.0 if stats.readable else 0.0)
             for status in STATUSES:
                 # Listed at zero so that increase() alerts have a series from the start.
                 validations.add_metric([root, status], float(stats.validations.get(status, 0)))
@@ -61,8 +69,14 @@ class CheckpointCollector:
                 last_valid.add_metric([root], stats.last_valid)
             for (rule, severity), count in sorted(stats.findings.items()):
                 findings.add_metric([root, rule, severity], float(count))
-        yield from (validations, last_validation, last_status, last_valid, findings, size, incomplete, announced)
+        yield from (validations, last_validation, last_status, last_valid, findings, size, incomplete, announced,
+                    readable)
         yield self._durations()
+        persistent = self.state_persistent()
+        if persistent is not None:
+            yield GaugeMetricFamily("torchpulse_daemon_state_persistent",
+                                    "1 when checkpoint validation state is written to the state directory, 0 when it "
+                                    "is kept in memory only and lost at a restart.", value=1.0 if persistent else 0.0)
 
     def _durations(self) -> Metric:
         family = HistogramMetricFamily("torchpulse_checkpoint_validation_duration_seconds",
