@@ -195,12 +195,15 @@ def overview() -> list[Panel]:
         ),
         panel(
             "table",
-            "Blind spots: failed probes, refused series, stalled ranks",
+            "Blind spots: failed probes, refused series, stalled ranks, unreadable roots, lost state",
             "none",
             "What torchpulse cannot see right now. A probe that raised disabled itself "
             "(TorchpulseProbeFailed): its metrics stop for that rank. Series refused by the per-run "
             "series limit (TorchpulseSeriesRejected) are missing from every panel. A connected rank "
-            "with no optimizer step in 10 minutes may hang (TrainingStalled).",
+            "with no optimizer step in 10 minutes may hang (TrainingStalled). A checkpoint root the "
+            "daemon cannot read has nothing under it validated (CheckpointRootUnreadable; the daemon "
+            "log says why). A daemon whose state is in memory only validates everything again after a "
+            "restart (TorchpulseStateNotPersistent).",
             [
                 q(f"max by (run, rank, probe) (torchpulse_agent_probe_errors_total{{{SEL}}}) > 0",
                   instant=True, table=True),
@@ -213,6 +216,8 @@ def overview() -> list[Panel]:
                     instant=True,
                     table=True,
                 ),
+                q("max by (instance, root) (torchpulse_checkpoint_root_readable) == 0", instant=True, table=True),
+                q("max by (instance) (torchpulse_daemon_state_persistent) == 0", instant=True, table=True),
             ],
             width=24,
             height=5,
@@ -512,12 +517,14 @@ def checkpoints() -> list[Panel]:
             "Checkpoint status per root",
             "none",
             "Status of the newest checkpoint in each watched root (valid, invalid, "
-            "incomplete) and its size. Red rows: run `torchpulse check <dir>` and keep the "
-            "last valid checkpoint until the save path is fixed.",
+            "incomplete), its size, and whether every daemon can read the root (0: nothing under "
+            "it is validated; the daemon log says why). Red rows: run `torchpulse check <dir>` and "
+            "keep the last valid checkpoint until the save path is fixed.",
             [
                 q("max by (root, status) (torchpulse_checkpoint_last_status == 1)", instant=True, table=True),
                 q("max by (root) (torchpulse_checkpoint_bytes)", instant=True, table=True),
                 q("max by (root) (torchpulse_checkpoint_incomplete)", instant=True, table=True),
+                q("min by (root) (torchpulse_checkpoint_root_readable)", instant=True, table=True),
             ],
             width=12,
             transformations=[{"id": "merge", "options": {}}],

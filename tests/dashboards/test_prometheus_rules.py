@@ -29,6 +29,8 @@ REQUIRED_ALERTS = {
     "TorchpulseProbeFailed",
     "TorchpulseSeriesRejected",
     "CheckpointValidationError",
+    "CheckpointRootUnreadable",
+    "TorchpulseStateNotPersistent",
 }
 
 
