@@ -16,6 +16,7 @@ from torchpulse.probes.identity import generate_run_name
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "bootstrap"
 SHELL = "/bin/sh"
+USAGE = "usage: torchpulse run [--socket PATH] [--run-name NAME] [--probes LIST] -- COMMAND [ARGS...]"
 # python, python3, python3.11, python3.13t: interpreters whose options `launch` reads.
 PYTHON_NAME = re.compile(r"python[0-9.]*t?")
 # Options that keep the bootstrap from loading: the job runs, silently without an agent.
@@ -52,7 +53,7 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
 def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | None = None,
            probes: str | None = None) -> int:
     if not cmd:
-        print("usage: torchpulse run [--socket PATH] [--run-name NAME] -- COMMAND [ARGS...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     env = launch_env(os.environ, socket, run_name, probes)
     for flag in sorted(python_flags(cmd) & BOOTSTRAP_OFF.keys()):

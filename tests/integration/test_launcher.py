@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, DaemonProcess, select, wait_for
+from torchpulse import cli
 from torchpulse.launcher import BOOTSTRAP_DIR
 
 TRAIN = textwrap.dedent("""
@@ -63,6 +64,16 @@ def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> N
     assert (["No such file or directory"], ["Permission denied"]) == (
         [line.rsplit(": ", 1)[1] for line in missing.stderr.splitlines()],
         [line.rsplit(": ", 1)[1] for line in denied.stderr.splitlines()])
+
+
+def test_run_without_a_command_prints_a_usage_that_names_every_option() -> None:
+    """`torchpulse run` alone exits 2 with one usage line listing each of the subcommand's options."""
+    run_parser = cli._parser()._subparsers._group_actions[0].choices["run"]
+    options = {a.option_strings[-1] for a in run_parser._actions if a.option_strings and a.dest != "help"}
+    result = _run()
+    usage = result.stderr.splitlines()
+    assert (2, 1) == (result.returncode, len(usage))
+    assert set() == {option for option in options if f"[{option} " not in usage[0]}
 
 
 @pytest.mark.parametrize("by_name", [False, True])
