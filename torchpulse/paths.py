@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
@@ -14,6 +15,8 @@ DEFAULT_LISTEN: Final = f"127.0.0.1:{DEFAULT_PORT}"
 # Linux's sun_path holds 108 bytes with the terminating NUL; bind() and connect() refuse a
 # longer path with a bare "AF_UNIX path too long", and systemd refuses it in a socket unit.
 MAX_SOCKET_PATH_BYTES: Final = 107
+# Where the system service listens (systemd/torchpulse.socket).
+SYSTEM_SOCKET: Final = Path("/run/torchpulse/agent.sock")
 
 
 def socket_path_too_long(path: str | os.PathLike[str]) -> str | None:
@@ -30,18 +33,35 @@ def default_socket_path(env: Mapping[str, str] | None = None, uid: int | None = 
     env = os.environ if env is None else env
     uid = os.getuid() if uid is None else uid
     if uid == 0:
-        return Path("/run/torchpulse/agent.sock")
+        return SYSTEM_SOCKET
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / "torchpulse" / "agent.sock"
     return Path(f"/tmp/torchpulse-{uid}") / "agent.sock"
 
 
-def agent_socket_path(env: Mapping[str, str] | None = None) -> Path:
-    """Where an agent or client looks for the daemon: `TORCHPULSE_SOCKET`, else the default."""
+def agent_socket_path(env: Mapping[str, str] | None = None, uid: int | None = None,
+                      system_socket: Path = SYSTEM_SOCKET) -> Path:
+    """Where an agent or client looks for the daemon: `TORCHPULSE_SOCKET`; else the user's own
+    daemon's socket when it exists; else the system service's socket when it exists; else the
+    user's default (a daemon started later in this session)."""
     env = os.environ if env is None else env
     explicit = env.get("TORCHPULSE_SOCKET")
-    return Path(explicit) if explicit else default_socket_path(env)
+    if explicit:
+        return Path(explicit)
+    own = default_socket_path(env, uid)
+    # A job of any user on a node with the service installed finds it with no setting; the
+    # socket unit keeps the file while the daemon restarts. A daemon of the user's own wins.
+    if own != system_socket and not _is_socket(own) and _is_socket(system_socket):
+        return system_socket
+    return own
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def default_state_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from tests.support import REPO
 from torchpulse.daemon.config import Config, ConfigError, Overrides, from_mapping, load, with_overrides
-from torchpulse.paths import DEFAULT_LISTEN, default_socket_path
+from torchpulse.paths import DEFAULT_LISTEN, agent_socket_path, default_socket_path
 
 
 def test_no_file_gives_embedded_defaults() -> None:
@@ -24,6 +25,29 @@ def test_default_socket_is_under_run_for_root_and_runtime_dir_otherwise() -> Non
     assert Path("/run/torchpulse/agent.sock") == default_socket_path({}, uid=0)
     assert Path("/run/user/1000/torchpulse/agent.sock") == default_socket_path(
         {"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000)
+
+
+def _listen(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    return server
+
+
+def test_a_users_job_finds_the_system_service_unless_the_user_runs_a_daemon(tmp_path: Path) -> None:
+    """No TORCHPULSE_SOCKET: the user's own daemon's socket, else the service's, else the user's default."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "user")}
+    own, system = tmp_path / "user" / "torchpulse" / "agent.sock", tmp_path / "run" / "agent.sock"
+    system.parent.mkdir()
+    system.touch()  # a plain file left behind is no service
+    assert own == agent_socket_path(env, uid=1000, system_socket=system)
+    system.unlink()
+    with _listen(system):
+        assert system == agent_socket_path(env, uid=1000, system_socket=system)
+        with _listen(own):
+            assert own == agent_socket_path(env, uid=1000, system_socket=system)
+        assert tmp_path / "set" == agent_socket_path({**env, "TORCHPULSE_SOCKET": str(tmp_path / "set")},
+                                                     uid=1000, system_socket=system)
 
 
 @pytest.mark.parametrize(
