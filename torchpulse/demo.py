@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                "-m", "torchpulse.demo_job", *job_args]
         print(f"== training: torchpulse run -- torchrun --nproc-per-node {args.ranks} -m torchpulse.demo_job "
               f"{' '.join(job_args)}")
-        print("   (a compiled metric that recompiles once and breaks its graph, one injected NaN gradient,\n"
+        print("   (a compiled metric that breaks its graph and recompiles both halves when the sequence\n"
+              "    length doubles, one injected NaN gradient,\n"
               "    DCP checkpoints that the daemon validates, and one checkpoint save that fails on purpose)")
         started = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1")

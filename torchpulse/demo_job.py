@@ -2,8 +2,9 @@
 
 A 2-layer transformer encoder trained on random tokens with AdamW and a
 step-decay schedule, on CPU; DistributedDataParallel over gloo when started
-by torchrun. Options exercise every probe: a compiled helper that recompiles
-once and breaks its graph, an injected non-finite gradient (the step is then
+by torchrun. Options exercise every probe: a compiled helper that breaks its
+graph and recompiles when the sequence length doubles (once per half of the
+broken graph: two frames), an injected non-finite gradient (the step is then
 skipped, as GradScaler would), DCP checkpoints, and one save that fails on purpose
 (caught by the job, which trains on). It knows nothing about torchpulse: it
 runs under `torchpulse run`, which attaches the agent without code changes.
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
-    parser.add_argument("--compile", action="store_true", help="compile a metric helper (recompiles once)")
+    parser.add_argument("--compile", action="store_true", help="compile a metric helper (it breaks its graph)")
     parser.add_argument("--nan-at-step", type=int, default=-1, help="make one gradient NaN at this step")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a DCP checkpoint here every --checkpoint-every")
     parser.add_argument("--checkpoint-every", type=int, default=100)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = torch.compile(token_accuracy) if args.compile else token_accuracy
     head_bias = next(p for n, p in model.named_parameters() if n.endswith("head.bias"))
     for step in range(1, args.steps + 1):
-        # The second half of the run uses longer sequences: one shape recompile.
+        # The second half of the run uses longer sequences: a shape recompile of each compiled frame.
         seq = args.seq if step <= args.steps // 2 else args.seq * 2
         tokens = torch.randint(0, 128, (args.batch, seq))
         optimizer.zero_grad(set_to_none=True)

@@ -180,7 +180,7 @@ class CompileProbe(Probe):
     def _uninstalled(self) -> None:
         # Labels and frame names stay: records queued before a detach are folded in
         # after it (the sender's last batch), and a limit hit names its function only
-        # through the frame map. Kept across disable/enable, labels stay top K per run.
+        # through the frame map. Kept across disable/enable, labels stay the first K of this process.
         self._taps = []
         self._graph_breaks = None
         self._start = None
