@@ -9,6 +9,7 @@ from msgspec.structs import replace
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from tests.support import parse_exposition, select
+from torchpulse.catalog import CATALOG
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.prometheus import build_exposition
 from torchpulse.protocol import Batch, Hello, HistogramSample, Sample
@@ -61,6 +62,21 @@ def test_negative_bucket_counts_are_refused_before_they_count_as_a_series() -> N
     registry.apply(run, rank, Batch(1, 0.0, [], [
         HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (-5,) + (1,) * 18, 2.5)], []))
     assert (0, 0, 1) == (run.series, rank.series, registry.series_rejected["bad_buckets"])
+
+
+def test_a_histogram_sum_that_is_nan_inf_or_negative_is_refused_and_the_last_good_one_stays() -> None:
+    """Histograms observe durations (every one in the catalog): a bad `_sum` would poison the mean."""
+    assert [] == [f.name for f in CATALOG.values() if f.kind == "histogram" and not f.name.endswith("_seconds")]
+    registry = Registry()
+    run, rank = registry.connect(HELLO, None)
+    good = (1,) * 19
+    registry.apply(run, rank, Batch(1, 0.0, [], [
+        HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), good, 2.5)], []))
+    for bad in (math.nan, math.inf, -1.0):
+        registry.apply(run, rank, Batch(2, 0.0, [], [
+            HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (2,) * 19, bad)], []))
+    assert (good, 2.5) == rank.histograms[("optimizer_step_duration_seconds", ("Adam#0",))]
+    assert 3 == registry.series_rejected["bad_value"]
 
 
 def test_a_counter_that_is_nan_inf_or_negative_is_refused_and_the_last_good_total_stays() -> None:

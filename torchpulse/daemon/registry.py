@@ -280,6 +280,11 @@ class Registry:
                 # Rendered cumulatively, a negative count makes `le` buckets decrease.
                 self.series_rejected["bad_buckets"] += 1
                 continue
+            if not 0.0 <= hist.total < math.inf:
+                # Every histogram in the catalog observes durations: a NaN, Inf or negative sum would
+                # make rate(_sum) / rate(_count), the mean step time, NaN or a reset. The last good one stays.
+                self.series_rejected["bad_value"] += 1
+                continue
             key = (hist.family, hist.labels)
             if key not in histograms:
                 if not self._admit(run, hist.family, hist.labels, histogram=True):
