@@ -73,19 +73,25 @@ def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(
 
 def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_socket(tmp_path: Path) -> None:
     """The agent socket was bound before the port failed and stayed behind: agents met "connection refused" from a
-    dead socket instead of "no daemon", which a stopped daemon otherwise guarantees."""
+    dead socket instead of "no daemon", which a stopped daemon otherwise guarantees. The textfile of a killed
+    daemon went on saying agent_up 1 to node_exporter: the failed start removes it."""
+    textfile = tmp_path / "torchpulse.prom"
+    textfile.write_text('torchpulse_agent_up{run="r",rank="0"} 1\n')
+    config = tmp_path / "tp.toml"
+    config.write_text(f'[daemon]\ntextfile = "{textfile}"\n')
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "a.sock"),
-                               "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state")],
+                               "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
+                               "--config", str(config)],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
     errors = [line for line in proc.stderr.splitlines() if '"level": "error"' in line]
     assert (1, 1) == (proc.returncode, len(errors)), proc.stderr
     assert "daemon failed to start" in errors[0] and "address already in use" in errors[0]
     assert f"cannot serve /metrics on 127.0.0.1:{port} (daemon.listen in the config, or --listen)" in errors[0]
-    assert not (tmp_path / "a.sock").exists()
+    assert (False, False) == ((tmp_path / "a.sock").exists(), textfile.exists())
 
 
 

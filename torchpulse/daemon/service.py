@@ -110,8 +110,10 @@ class Daemon:
             await self.metrics.start(host, port)
         except BaseException:
             # The metrics port taken (the usual failed start): the socket file bound above would stay behind, and
-            # agents would get "connection refused" from a dead socket instead of "no daemon".
+            # agents would get "connection refused" from a dead socket instead of "no daemon". A textfile that a
+            # killed daemon left goes too: node_exporter would serve its agent_up 1 and frozen counters for ever.
             await self.agents.close()
+            await self._remove_textfile(self.config.daemon.textfile)
             raise
         # Opens (and makes) the state directory; a daemon that cannot write it stays up, says so once, and
         # exports torchpulse_daemon_state_persistent 0: a refused start would lose the metrics and the agents too.
