@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import array
+import ctypes
+import errno
 import socket
 import struct
 
@@ -11,15 +13,35 @@ from torchpulse.daemon.registry import Peer
 _UCRED = struct.Struct("3i")
 # Not exported by Python's socket module; Linux >= 4.13.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-_MAX_GROUPS = 1024
+# CPython's getsockopt() refuses a buffer over 1024 bytes ("buflen out of range"): 256 groups.
+_PY_GETSOCKOPT_MAX = 1024
+_NGROUPS_MAX = 65536  # Linux's limit on supplementary groups
 
 
-def _groups(sock: socket.socket) -> frozenset[int]:
-    """Supplementary groups of the peer, read from the socket (works under ProtectProc=invisible)."""
+def _peergroups_past_python_limit(fd: int) -> bytes | None:
+    """SO_PEERGROUPS through libc for a peer in more than 256 groups (the kernel said ERANGE)."""
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * _MAX_GROUPS)
-    except OSError:
-        return frozenset()
+        libc = ctypes.CDLL(None, use_errno=True)
+        size = ctypes.c_uint32(4 * _NGROUPS_MAX)
+        buffer = ctypes.create_string_buffer(size.value)
+        if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buffer, ctypes.byref(size)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return buffer.raw[: size.value]
+
+
+def _groups(sock: socket.socket) -> frozenset[int] | None:
+    """Supplementary groups of the peer, read from the socket (works under ProtectProc=invisible).
+
+    None when the kernel cannot tell: `control.peer_groups` then falls back to /proc.
+    """
+    try:
+        raw: bytes | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _PY_GETSOCKOPT_MAX)
+    except OSError as exc:
+        raw = _peergroups_past_python_limit(sock.fileno()) if exc.errno == errno.ERANGE else None
+    if raw is None:
+        return None
     groups = array.array("I")
     groups.frombytes(raw[: len(raw) - len(raw) % 4])
     return frozenset(groups)
@@ -33,4 +55,6 @@ def peer_of(sock: socket.socket | None) -> Peer | None:
     except OSError:
         return None
     pid, uid, gid = _UCRED.unpack(raw)
-    return Peer(pid=pid, uid=uid, gid=gid, groups=_groups(sock) | {gid})
+    groups = _groups(sock)
+    # Known groups always include the primary one, so an empty set means "unknown" to `peer_groups`.
+    return Peer(pid=pid, uid=uid, gid=gid, groups=frozenset() if groups is None else groups | {gid})
