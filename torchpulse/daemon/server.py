@@ -4,17 +4,25 @@ A connection is an agent (Hello, then Batches) or a one-shot client
 (StatusRequest). Anything else is counted as a rejected frame, answered with
 an ErrorReply when the socket still works, and the connection is closed; the
 server itself never stops for a bad peer.
+
+Every user in the socket's group can connect, so what a peer may do is tied to
+its uid (SO_PEERCRED): a run belongs to the user whose agents report it, and a
+checkpoint announcement makes the daemon (reading with its own permissions)
+validate and watch only directories of the announcing user.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
+import os
 import resource
 import socket
 import stat
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -23,9 +31,12 @@ import structlog
 
 import torchpulse
 from torchpulse.aio import close_connection
+from torchpulse.bounds import TokenBucket
+from torchpulse.daemon.checkpoint_mounts import fs_type_of, read_mounts
 from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.log_settings import LOG_LEVELS
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
+from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.peercred import peer_of
 from torchpulse.daemon.registry import NODE_LOG_EVENT, Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
@@ -86,6 +97,15 @@ SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
 RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self", "exc_info", "exception",
                           "stack_info"}
+# Checkpoint announcements of one connection waiting for their check: a job announces one per save, so a
+# longer queue is a peer flooding them (each check is a thread and a few stats).
+MAX_PENDING_ANNOUNCEMENTS: Final = 64
+# Kernel filesystems: a directory there may well be the announcing user's (their process's /proc/PID, a
+# delegated cgroup), but the daemon must never watch and walk the tree above it (all of /proc).
+KERNEL_FILESYSTEMS: Final = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "selinuxfs",
+    "bpf", "configfs", "pstore", "mqueue", "hugetlbfs", "fusectl", "efivarfs", "binfmt_misc", "rpc_pipefs", "nsfs",
+})
 
 
 class StalledReader(Exception):
@@ -116,6 +136,7 @@ class AgentServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.max_connections = connection_limit()
         self._connection_ids = itertools.count(1)
+        self._announcing: set[asyncio.Task[None]] = set()  # announcement checks, ended at close
         self._buffered = 0
         self._buffer_freed = asyncio.Event()
 
@@ -173,6 +194,9 @@ class AgentServer:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            for check in list(self._announcing):
+                check.cancel()
+            await asyncio.gather(*self._announcing, return_exceptions=True)
             await self._server.wait_closed()
         if self._bound is not None:
             _remove_own_socket(*self._bound)
@@ -185,6 +209,7 @@ class AgentServer:
         connection = next(self._connection_ids)
         peer = peer_of(writer.get_extra_info("socket"))
         registered: tuple[RunState, RankState] | None = None
+        announcements: _Announcements | None = None
         try:
             if len(self._tasks) > self.max_connections:
                 raise FrameError("too_many_connections", f"the daemon already holds {self.max_connections} "
@@ -199,8 +224,12 @@ class AgentServer:
                         if self.registry.connections >= self.max_connections - CLIENT_RESERVE:
                             raise FrameError("too_many_connections", "the daemon already holds "
                                              f"{self.registry.connections} agent connections; retrying")
+                        _refuse_another_users_run(self.registry.runs.get(frame.run), frame, peer)
                         registered = self.registry.connect(frame, peer)
                         state = registered[1]
+                        if self.on_checkpoint is not None:
+                            announcements = _Announcements(peer, self.on_checkpoint, self._announcing,
+                                                           state.log_budget)
                         state.channel, state.close, state.connection = writer.write, writer.close, connection
                         writer.write(encode(Welcome(torchpulse.__version__)))
                         log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
@@ -220,7 +249,8 @@ class AgentServer:
                     run, rank = registered
                     events = self.registry.apply(run, rank, frame)
                     self._log_events(run.name, rank, events)
-                    self._route_checkpoints(run.name, rank.hello.rank, events)
+                    if announcements is not None:
+                        announcements.route(run.name, rank.hello.rank, events)
                 elif isinstance(frame, CommandResult):
                     self.control.resolve(frame, registered[1], connection)
                 elif isinstance(frame, Goodbye):
@@ -313,14 +343,6 @@ class AgentServer:
         with contextlib.suppress(Exception):
             writer.write(encode(ErrorReply(exc.reason, detail)))
 
-    def _route_checkpoints(self, run: str, rank: int, events: list[LogEvent]) -> None:
-        if self.on_checkpoint is None:
-            return
-        for event in events:
-            saved = checkpoint_saved(event)
-            if saved is not None:
-                self.on_checkpoint(run, rank, saved)
-
     @staticmethod
     def _log_events(run: str, state: RankState, events: list[LogEvent]) -> None:
         now = time.monotonic()
@@ -334,6 +356,109 @@ class AgentServer:
             getattr(log, level)(cut(event.event, MAX_NAME_CHARS), run=run, rank=state.hello.rank, agent_ts=event.ts,
                                 **bounded_fields(fields))
         _report_suppressed(run, state, now)
+
+
+def _refuse_another_users_run(run: RunState | None, hello: Hello, peer: Peer | None) -> None:
+    """A run is its user's: another user's hello may neither add a rank to it nor take one over.
+
+    Otherwise any member of the socket's group could put series (and a rank that alerts as down)
+    into someone else's run, receive the `ctl` commands meant for it, or reconnect as one of its
+    ranks once that rank's connection dropped.
+    """
+    if run is None:
+        return
+    uid = peer.uid if peer is not None else None
+    owner = next((state.peer.uid for state in run.ranks.values()
+                  if state.peer is not None and state.peer.uid != uid), None)
+    if owner is not None:
+        raise FrameError("run_owned", f"run {hello.run!r} is reported by another user (uid {owner}) on this "
+                         "node; give this job another run name (TORCHPULSE_RUN, --run-name); retrying")
+
+
+class _Announcements:
+    """One connection's checkpoint announcements, each checked off the loop, in order, one at a time.
+
+    The check stats the announced directory, which never returns on a hung mount: one thread per
+    connection at most, and a bounded queue behind it. What it logs counts against the rank's budget
+    for its own events, which an agent flooding announcements would otherwise get round.
+    """
+
+    def __init__(self, peer: Peer | None, deliver: Callable[[str, int, CheckpointSaved], None],
+                 tasks: set[asyncio.Task[None]], log_budget: TokenBucket) -> None:
+        self._uid = peer.uid if peer is not None else None
+        self._deliver = deliver
+        self._tasks = tasks
+        self._log_budget = log_budget
+        self._queue: deque[tuple[str, int, CheckpointSaved]] = deque()
+        self._check: asyncio.Task[None] | None = None
+
+    def route(self, run: str, rank: int, events: list[LogEvent]) -> None:
+        for event in events:
+            saved = checkpoint_saved(event)
+            if saved is None:
+                continue
+            if not saved.validate or not saved.path.startswith("/"):
+                # Nothing to watch: the service skips ranks other than 0, refuses relative paths, skips URLs.
+                self._deliver(run, rank, saved)
+            elif len(self._queue) >= MAX_PENDING_ANNOUNCEMENTS:
+                if self._log_budget.take(time.monotonic()):
+                    log.warning("checkpoint announcement dropped: too many wait for their check on this "
+                                "connection", run=run, rank=rank, path=cut(saved.path), uid=self._uid)
+            else:
+                self._queue.append((run, rank, saved))
+        if self._queue and self._check is None:
+            self._check = asyncio.create_task(self._drain(), name="torchpulse-announcement-checks")
+            self._tasks.add(self._check)
+            self._check.add_done_callback(self._tasks.discard)
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                run, rank, saved = self._queue.popleft()
+                try:
+                    refused = await off_loop(functools.partial(announcement_refused, saved.path, self._uid),
+                                             "torchpulse-announcement-check")
+                except Exception:  # a daemon bug costs this announcement, never the next ones
+                    log.exception("checkpoint announcement check failed", run=run, rank=rank, path=cut(saved.path))
+                    continue
+                if refused is None:
+                    self._deliver(run, rank, saved)
+                elif self._log_budget.take(time.monotonic()):
+                    log.warning("checkpoint announcement refused: not validated, its directory not watched",
+                                run=run, rank=rank, path=cut(saved.path), uid=self._uid, reason=refused,
+                                fix="a [checkpoints] root in the daemon's config is watched whoever owns it")
+        finally:
+            self._check = None
+
+
+def announcement_refused(path: str, uid: int | None) -> str | None:
+    """Why an agent of `uid` may not have the daemon validate `path` and watch its parent; None when it may.
+
+    Blocking (stats; a network filesystem may stall). The daemon reads with its own permissions,
+    often a project group's, and exports what it finds: a job points it only at directories its
+    own user owns (root's at any), and nobody's at a kernel filesystem.
+    """
+    if uid is None:
+        return "the announcing process cannot be identified (no SO_PEERCRED)"
+    try:
+        real = Path(path).resolve(strict=True)
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        return f"cannot be resolved: {getattr(exc, 'strerror', None) or exc}"
+    mounts = read_mounts()
+    for directory in (real, real.parent):
+        fs_type = fs_type_of(str(directory), mounts)
+        if fs_type in KERNEL_FILESYSTEMS:
+            return f"{directory} is on a kernel filesystem ({fs_type})"
+    if uid == 0:
+        return None
+    for directory in (real, real.parent):
+        try:
+            owner = directory.stat().st_uid
+        except OSError as exc:
+            return f"cannot stat {directory}: {exc.strerror or exc}"
+        if owner != uid:
+            return f"{directory} belongs to uid {owner}, not to the job's user (uid {uid})"
+    return None
 
 
 def _report_suppressed(run: str, state: RankState, now: float, final: bool = False) -> None:
@@ -378,8 +503,9 @@ def _remove_own_socket(path: Path, inode: int) -> None:
 
 
 def _prepare_socket_path(path: Path) -> None:
-    """Create the directory and remove a stale socket left by a crashed daemon."""
+    """Create the directory, check that no other user controls it, and remove a stale socket of a crashed daemon."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign_directories(path.parent)
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -395,3 +521,25 @@ def _prepare_socket_path(path: Path) -> None:
         raise FileExistsError(f"another daemon is already listening on {path}")
     finally:
         probe.close()
+
+
+def _refuse_foreign_directories(directory: Path) -> None:
+    """PermissionError when a user other than root and the daemon's could replace the socket in `directory`.
+
+    That user would receive every agent's hello, metrics and command answers, and could send them
+    commands: a `/tmp/torchpulse-UID` another user made before this user's first daemon, say. Each
+    directory on the way (and each symlink) must be root's or ours, and writable by nobody else
+    unless sticky (as /tmp is).
+    """
+    trusted = (0, os.geteuid())
+    seen = [(d, d.lstat()) for d in (directory, *directory.parents)]  # as given: symlinks on the way too
+    resolved = directory.resolve(strict=True)
+    seen += [(d, d.stat()) for d in (resolved, *resolved.parents)]  # the directories they lead to
+    for entry, info in seen:
+        if info.st_uid not in trusted:
+            raise PermissionError(f"refusing to put the agent socket under {directory}: {entry} belongs to uid "
+                                  f"{info.st_uid}, who could replace the socket; choose a directory of your own")
+        if (stat.S_ISDIR(info.st_mode) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                and not info.st_mode & stat.S_ISVTX):
+            raise PermissionError(f"refusing to put the agent socket under {directory}: {entry} is writable by "
+                                  f"other users (mode {stat.S_IMODE(info.st_mode):o}), who could replace the socket")
