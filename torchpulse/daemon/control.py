@@ -1,9 +1,12 @@
 """`torchpulse ctl`: route a command to ranks of a run and gather their answers.
 
 Who may send: root, the daemon's own user, or members of `control_group`
-(checked with SO_PEERCRED and the peer's groups from /proc). Every command is
-logged with who sent it. A rank that does not answer within the timeout is
-reported as such; the others are not held back by it.
+(checked with SO_PEERCRED and SO_PEERGROUPS, /proc where the kernel has no
+SO_PEERGROUPS). Every command is logged with who sent it. A trace command
+carries the sender's uid to the agent, which lets another user than the job's
+(not root) trace only into a directory that user owns or a shared sticky one
+(`trace_capture`). A rank that does not answer within the timeout is reported
+as such; the others are not held back by it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import structlog
 
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.registry import Peer, RankState, Registry
+from torchpulse.probes.trace_capture import CALLER_UID_ARG
 from torchpulse.protocol import (
     MAX_COMMAND_TIMEOUT,
     Command,
@@ -69,18 +73,19 @@ def peer_groups(peer: Peer) -> set[int]:
     return groups
 
 
-def authorize(peer: Peer | None, control_group: str) -> None:
+def authorize(peer: Peer | None, control_group: str) -> Peer:
+    """The caller, when it may send commands; NotAuthorized otherwise."""
     if peer is None:
         raise NotAuthorized("cannot identify the caller (no SO_PEERCRED)")
     if peer.uid in (0, os.geteuid()):
-        return
+        return peer
     if control_group:
         try:
             gid = grp.getgrnam(control_group).gr_gid
         except KeyError:
             gid = None
         if gid is not None and gid in peer_groups(peer):
-            return
+            return peer
     allowed = "root, the daemon's user" + (f" or members of group {control_group!r}" if control_group else "")
     raise NotAuthorized(f"uid {peer.uid} may not send commands (allowed: {allowed})")
 
@@ -137,7 +142,7 @@ class ControlHub:
 
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
-        authorize(peer, self.control_group())
+        caller = authorize(peer, self.control_group())
         # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
         command, run_name = cut(request.name, MAX_NAME_CHARS), cut(request.run, MAX_NAME_CHARS)
         log.info("command received", command=command, run=run_name, ranks=_logged_ranks(request.ranks),
@@ -148,8 +153,11 @@ class ControlHub:
         # Once per rank: the same rank twice would get a trace command twice, and refuse the second.
         wanted = sorted(run.ranks) if request.ranks is None else sorted(set(request.ranks))
         args = dict(request.args)
-        if request.name == "trace" and "start_step" not in args:
-            args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
+        if request.name == "trace":
+            # Set here, whatever the client sent: the agent decides with it where the sender may have it write.
+            args[CALLER_UID_ARG] = caller.uid
+            if "start_step" not in args:
+                args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
         # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
         timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
         results = await asyncio.gather(*(

@@ -48,7 +48,8 @@ class Control:
         self._handle: Any = None
         self._hook: Callable[..., None] | None = None
         self._pre_handle: Any = None
-        self._pending: deque[Command] = deque()
+        # Commands waiting for a safe point, each with its trace directory opened on arrival (None: no trace).
+        self._pending: deque[tuple[Command, int | None]] = deque()
         self.results: deque[CommandResult] = deque()
         self._step_times: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         # A trace waiting for its first step or capturing, then the thread writing its file.
@@ -62,7 +63,6 @@ class Control:
             "disable": self._disable,
             "sample": self._sample,
             "autograd-log": self._autograd_log,
-            "trace": self._start_trace,
             "cudagraph-dump": self._cudagraph_dump,
         }
 
@@ -98,11 +98,13 @@ class Control:
             pending, self._pending = list(self._pending), deque()
             self.armed = False
         if trace is not None:
+            trace.close()
             if trace.profiler is not None:
                 trace_capture.stop_quietly(trace.profiler)
             self._answer(trace.command, False, f"the agent detached before the trace of steps {trace.start_step}.."
                          f"{trace.last_step} was complete; nothing was written", {})
-        for command in pending:
+        for command, out_dir in pending:
+            trace_capture.close_dir(out_dir)
             self._answer(command, False, "the agent detached before its next step boundary", {})
         writer = self._writer
         if writer is not None:
@@ -166,14 +168,17 @@ class Control:
         try:
             if command.name == "status":
                 self._answer(command, True, "ok", self.status())
-            elif command.name in self._safe_handlers:
-                check_arguments(command)
+            elif command.name == "trace" or command.name in self._safe_handlers:
+                out_dir = check_arguments(command)
                 with self._lock:
-                    if len(self._pending) >= MAX_PENDING_COMMANDS:
-                        raise CommandFailed(f"busy: {MAX_PENDING_COMMANDS} commands already wait for this "
-                                            "rank's next step boundary")
-                    self._pending.append(command)
-                    self.armed = True
+                    busy = len(self._pending) >= MAX_PENDING_COMMANDS
+                    if not busy:
+                        self._pending.append((command, out_dir))
+                        self.armed = True
+                if busy:
+                    trace_capture.close_dir(out_dir)
+                    raise CommandFailed(f"busy: {MAX_PENDING_COMMANDS} commands already wait for this "
+                                        "rank's next step boundary")
             else:
                 raise CommandFailed(f"unknown command {command.name[:64]!r}")
         except CommandFailed as exc:
@@ -222,11 +227,15 @@ class Control:
         """Run queued commands and advance a trace; called between steps."""
         while True:
             with self._lock:
-                command = self._pending.popleft() if self._pending else None
-            if command is None:
+                entry = self._pending.popleft() if self._pending else None
+            if entry is None:
                 break
+            command, out_dir = entry
             try:
-                data = self._safe_handlers[command.name](command)
+                if command.name == "trace":
+                    data = self._start_trace(command, out_dir)
+                else:
+                    data = self._safe_handlers[command.name](command)
             except CommandFailed as exc:
                 self._answer(command, False, str(exc), {})
             except Exception as exc:  # a bug in a command must not reach the job
@@ -308,7 +317,26 @@ class Control:
         result = dump()
         return dict(result) if isinstance(result, dict) else {"state": str(result)}
 
-    def _start_trace(self, command: Command) -> Data:
+    def _start_trace(self, command: Command, out_dir: int | None) -> Data:
+        """Accept a trace into `out_dir` (opened on arrival), which is the trace's from here on, or closed."""
+        try:
+            if out_dir is None:  # check_arguments opens it for every trace it lets through
+                raise CommandFailed("out must be a directory path")
+            start, steps, out = self._trace_request(command)
+        except BaseException:
+            trace_capture.close_dir(out_dir)
+            raise
+        current = self._trace
+        if current is not None:
+            # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
+            current.close()
+            self._answer(current.command, False, f"superseded by a newer trace request before step "
+                         f"{current.start_step} came", {})
+        self._trace = Trace(command, start, steps, out, out_dir)
+        return {}
+
+    def _trace_request(self, command: Command) -> tuple[int, int, Path]:
+        """The first step, step count and directory of a trace this rank can take now; CommandFailed otherwise."""
         args = command.args
         steps, start, out = args["steps"], args.get("start_step"), args["out"]
         if not isinstance(steps, int) or not isinstance(out, str):  # checked on arrival
@@ -321,12 +349,7 @@ class Control:
         if start <= self.agent.step:
             raise CommandFailed(f"missed the start step {start}: this rank already finished step "
                                 f"{self.agent.step}; {_RETRY_LATER}")
-        if current is not None:
-            # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
-            self._answer(current.command, False, f"superseded by a newer trace request before step "
-                         f"{current.start_step} came", {})
-        self._trace = Trace(command, start, steps, Path(out))
-        return {}
+        return start, steps, Path(out)
 
     def _writing(self) -> bool:
         writer = self._writer
@@ -356,9 +379,11 @@ class Control:
                 self._writer.start()
         except CommandFailed as exc:
             self._trace = None
+            trace.close()
             self._answer(trace.command, False, str(exc), {})
         except Exception as exc:
             self._trace = None
+            trace.close()
             if trace.profiler is not None:
                 trace_capture.stop_quietly(trace.profiler)
             self._answer(trace.command, False, f"trace failed: {exc!r}", {})
@@ -377,6 +402,7 @@ class Control:
         # The profiler's events (hundreds of MB for a long trace) and, after a failed write, Kineto's handle
         # on the partial file it left (holding a full disk's space) go now, before the user is told.
         trace_capture.release(trace.profiler)
+        trace.close()
         self._answer(trace.command, ok, message, data)
 
 

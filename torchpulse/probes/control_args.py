@@ -19,8 +19,12 @@ class CommandFailed(Exception):
     """A command that cannot be done; its text is what the user sees."""
 
 
-def check_arguments(command: Command) -> None:
-    """Raise CommandFailed naming the first bad argument of a command applied at a step boundary."""
+def check_arguments(command: Command) -> int | None:
+    """Raise CommandFailed naming the first bad argument of a command applied at a step boundary.
+
+    A trace's directory is opened here, once, and returned (the caller keeps or closes it): the
+    trace is written into the directory checked now, and the training thread never waits on it.
+    """
     from torchpulse.probes.api import PROBES
 
     args, name = command.args, command.name
@@ -43,9 +47,10 @@ def check_arguments(command: Command) -> None:
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
             raise CommandFailed(f"start_step must be an integer, got {_shown(start)}")
         try:
-            trace_capture.check_out_dir(args.get("out"))
+            return trace_capture.open_out_dir(args.get("out"), args.get(trace_capture.CALLER_UID_ARG))
         except ValueError as exc:
             raise CommandFailed(str(exc)) from None
+    return None
 
 
 def _shown(value: object) -> str:
