@@ -15,6 +15,8 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'run=~"$run", rank=~"$rank"'
 RUN = 'run=~"$run"'
 RI = "$__rate_interval"
+# Window for events minutes apart (checkpoint saves and their validations, typically every ~30 min).
+RARE = "1h"
 
 Panel = dict[str, Any]
 
@@ -78,14 +80,30 @@ def panel(
     return built
 
 
-def quantiles(metric: str, by: str, selector: str = SEL) -> list[dict[str, Any]]:
+def _legend(prefix: str, by: str) -> str:
+    return f"{prefix} {{{{{by.replace(', ', '}} {{')}}}}}"
+
+
+def quantiles(metric: str, by: str, selector: str = SEL, window: str = RI) -> list[dict[str, Any]]:
+    # `window` must hold at least one event: rare ones (checkpoints) need far more than $__rate_interval.
+    growth = "rate" if window == RI else "increase"
     return [
         q(
-            f"histogram_quantile({quantile}, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}[{RI}])))",
-            f"p{int(quantile * 100)} {{{{{by.replace(', ', '}} {{')}}}}}",
+            f"histogram_quantile({quantile}, sum by ({by}, le) ({growth}({metric}_bucket{{{selector}}}[{window}])))",
+            _legend(f"p{int(quantile * 100)}", by),
         )
         for quantile in (0.5, 0.99)
     ]
+
+
+def mean(metric: str, by: str, selector: str = SEL) -> dict[str, Any]:
+    # Quantiles of classic buckets interpolate inside one bucket: steady 0.30 s and 0.45 s steps both
+    # read p50 0.375 s (bucket 0.25-0.5 s). The mean comes from _sum and sees every change.
+    return q(
+        f"sum by ({by}) (rate({metric}_sum{{{selector}}}[{RI}]))"
+        f" / sum by ({by}) (rate({metric}_count{{{selector}}}[{RI}]))",
+        _legend("mean", by),
+    )
 
 
 def overview() -> list[Panel]:
@@ -99,7 +117,7 @@ def overview() -> list[Panel]:
             "OOM kill) and the daemon on that node (`systemctl status torchpulse`). Ranks that "
             "exited normally or detached count as exited, not disconnected.",
             [
-                q(f"sum(torchpulse_agent_up{{{SEL}}})", "connected"),
+                q(f"sum(torchpulse_agent_up{{{SEL}}}) or vector(0)", "connected"),
                 q(f"count(torchpulse_agent_up{{{SEL}}} == 0 unless on (run, rank) "
                   f"torchpulse_agent_exited{{{SEL}}} == 1) or vector(0)", "disconnected"),
                 q(f"count(torchpulse_agent_exited{{{SEL}}} == 1) or vector(0)", "exited"),
@@ -116,7 +134,7 @@ def overview() -> list[Panel]:
             "Runs the daemons currently export (ended runs stay for grace_period_seconds). "
             "No run while a job trains: the job was not started with `torchpulse run`, or its "
             "agent cannot reach the socket (group torchpulse-users).",
-            [q(f"count(count by (run) (torchpulse_run_info{{{RUN}}}))", "runs")],
+            [q(f"count(count by (run) (torchpulse_run_info{{{RUN}}})) or vector(0)", "runs")],
             width=6,
             height=5,
             options={"reduceOptions": {"calcs": ["lastNotNull"]}},
@@ -244,12 +262,14 @@ def training() -> list[Panel]:
         ),
         panel(
             "timeseries",
-            "Optimizer step time p50 / p99",
+            "Optimizer step time mean / p50 / p99",
             "s",
-            "Wall time of optimizer.step() from its histogram. When p99 runs away from p50 "
-            "(OptimizerStepSlow fires), look for host contention, CPU offload or memory "
-            "pressure on that rank.",
-            quantiles("torchpulse_optimizer_step_duration_seconds", "run, rank"),
+            "Wall time of optimizer.step(): the mean (what OptimizerStepSlow watches) and quantiles "
+            "from its histogram. The quantiles move in bucket steps and miss a slowdown inside one "
+            "bucket (0.30 s and 0.45 s both read p50 0.375 s); the mean does not. When it or p99 runs "
+            "away, look for host contention, CPU offload or memory pressure on that rank.",
+            [mean("torchpulse_optimizer_step_duration_seconds", "run, rank"),
+             *quantiles("torchpulse_optimizer_step_duration_seconds", "run, rank")],
         ),
         panel(
             "timeseries",
@@ -266,11 +286,13 @@ def training() -> list[Panel]:
         ),
         panel(
             "timeseries",
-            "Backward time p50 / p99",
+            "Backward time mean / p50 / p99",
             "s",
-            "Wall time of backward passes by kind. A growing backward time with steady "
-            "batch size points at a slow autograd node (see Autograd) or a graph break.",
-            quantiles("torchpulse_backward_duration_seconds", "run, kind"),
+            "Wall time of backward passes by kind: the mean, and quantiles that move in bucket steps "
+            "only (a slowdown inside one bucket shows in the mean alone). A growing backward time "
+            "with steady batch size points at a slow autograd node (see Autograd) or a graph break.",
+            [mean("torchpulse_backward_duration_seconds", "run, kind"),
+             *quantiles("torchpulse_backward_duration_seconds", "run, kind")],
         ),
         panel(
             "timeseries",
@@ -552,22 +574,26 @@ def checkpoints() -> list[Panel]:
         ),
         panel(
             "timeseries",
-            "Validation time p50 / p99",
+            "Validation time p50 / p99 (last hour)",
             "s",
-            "How long validation takes per level. Close to validation_timeout_seconds means "
-            "validations get killed: lower the level or raise the timeout.",
-            quantiles("torchpulse_checkpoint_validation_duration_seconds", "level", selector=""),
+            "How long the validations of the hour before each point took, per level (checkpoints come "
+            "minutes apart, so a shorter window would be empty between them; a gap: no validation in "
+            "that hour). Close to validation_timeout_seconds means validations get killed: lower the "
+            "level or raise the timeout.",
+            quantiles("torchpulse_checkpoint_validation_duration_seconds", "level", selector="", window=RARE),
         ),
         panel(
             "timeseries",
-            "Checkpoint save time p99",
+            "Checkpoint save time p99 (last hour)",
             "s",
-            "p99 time the job spent saving checkpoints, per run. Saves that grow longer "
-            "slow training and risk incomplete checkpoints on preemption.",
+            "p99 time the job spent saving the checkpoints of the hour before each point, per run "
+            "(saves come minutes apart, so a shorter window would be empty between them; a gap: no "
+            "save in that hour). Saves that grow longer slow training and risk incomplete "
+            "checkpoints on preemption.",
             [
                 q(
                     f"histogram_quantile(0.99, sum by (run, le) "
-                    f"(rate(torchpulse_checkpoint_save_duration_seconds_bucket{{{RUN}}}[{RI}])))",
+                    f"(increase(torchpulse_checkpoint_save_duration_seconds_bucket{{{RUN}}}[{RARE}])))",
                     "save p99 {{run}}",
                 )
             ],

@@ -85,6 +85,18 @@ def dashboard_targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
 
 
+def stat_count_targets(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) of the stat-panel queries that count or sum into one number (no `by`):
+    with nothing to count they must give 0 (`or vector(0)`), not Grafana's "No data"."""
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        if panel["type"] == "stat"
+        for target in panel["targets"]
+        if re.match(r"(count|sum)\s*\(", target["expr"])
+    ]
+
+
 def grafana_to_promql(expr: str, run: str = ".*", rank: str = ".*") -> str:
     """Replace Grafana's template variables with values Prometheus accepts."""
     replacements = {

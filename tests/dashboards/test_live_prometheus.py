@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_files import Family, Rule, dashboard_targets, grafana_to_promql
+from dashboard_files import Family, Rule, dashboard_targets, grafana_to_promql, stat_count_targets
 from prometheus_client.parser import text_string_to_metric_families
 
 RUN = "live-prometheus"
@@ -32,6 +32,8 @@ EXERCISED = {
     "torchpulse_run_info",
     "torchpulse_optimizer_steps_total",
     "torchpulse_optimizer_step_duration_seconds_bucket",
+    "torchpulse_optimizer_step_duration_seconds_sum",
+    "torchpulse_optimizer_step_duration_seconds_count",
     "torchpulse_optimizer_learning_rate",
     "torchpulse_optimizer_parameters",
     "torchpulse_daemon_events_received_total",
@@ -121,8 +123,9 @@ def test_every_dashboard_and_rule_expression_runs_against_live_data(
     contract: dict[str, Family],
     require_tool: Callable[[str], str],
 ) -> None:
-    """Daemon + demo job + Prometheus (1 s scrapes): all queries succeed, exercised panels have data, and
-    every family the daemon really exports is in metrics.txt with its type and labels."""
+    """Daemon + demo job + Prometheus (1 s scrapes): all queries succeed, exercised panels have data, counting
+    stat panels read 0 for a run nobody trains, and every family the daemon really exports is in metrics.txt
+    with its type and labels."""
     try:
         import torchpulse.cli  # noqa: F401
     except ImportError as exc:
@@ -178,9 +181,16 @@ def test_every_dashboard_and_rule_expression_runs_against_live_data(
                     with_data += 1
                 elif _metrics(expr) and _metrics(expr) <= EXERCISED and not title.startswith("rule "):
                     empty.append(f"{title}: {expr}")
+            # A run nobody trains: counting stat panels read 0, not "No data".
+            not_zero = []
+            for title, expr in stat_count_targets(dashboard):
+                result = _query(base, grafana_to_promql(expr, run="no-such-run"))["data"]["result"]
+                if [sample["value"][1] for sample in result] != ["0"]:
+                    not_zero.append(f"{title}: {result}: {expr}")
 
     print(f"{len(queries)} queries ran, {with_data} returned data")
     assert RUN in run_values
     assert contract_mismatches(exposition, contract) == {}
     assert errors == []
     assert empty == []
+    assert not_zero == []

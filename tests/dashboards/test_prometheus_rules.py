@@ -31,6 +31,7 @@ REQUIRED_ALERTS = {
     "CheckpointValidationError",
     "CheckpointRootUnreadable",
     "TorchpulseStateNotPersistent",
+    "TorchpulseTextfileStale",
 }
 
 
