@@ -49,12 +49,43 @@ def agent_socket_path(env: Mapping[str, str] | None = None, uid: int | None = No
     explicit = env.get("TORCHPULSE_SOCKET")
     if explicit:
         return Path(explicit)
+    uid = os.getuid() if uid is None else uid
     own = default_socket_path(env, uid)
+    if own == system_socket:
+        return own
+    # A socket under a directory another user controls (a `/tmp/torchpulse-UID` made by someone
+    # else) may be theirs: the job would send them its metrics and take their commands.
+    try:
+        trusted = foreign_control(own.parent, (0, uid)) is None
+    except FileNotFoundError:
+        trusted = True  # no socket there yet: the user's daemon makes the directory, and checks it
+    except OSError:
+        trusted = False
+    if trusted and _is_socket(own):
+        return own  # a daemon of the user's own
     # A job of any user on a node with the service installed finds it with no setting; the
-    # socket unit keeps the file while the daemon restarts. A daemon of the user's own wins.
-    if own != system_socket and not _is_socket(own) and _is_socket(system_socket):
-        return system_socket
-    return own
+    # socket unit keeps the file while the daemon restarts.
+    return system_socket if _is_socket(system_socket) or not trusted else own
+
+
+def foreign_control(directory: Path, trusted: tuple[int, ...]) -> str | None:
+    """Why a user outside `trusted` could replace a socket in `directory`, or None when none can.
+
+    Each directory on the way (and each symlink), as given and as resolved, must belong to a
+    trusted uid and be writable by nobody else unless sticky (as /tmp is). A missing directory
+    raises FileNotFoundError.
+    """
+    seen = [(d, d.lstat()) for d in (directory, *directory.parents)]  # as given: symlinks on the way too
+    resolved = directory.resolve(strict=True)
+    seen += [(d, d.stat()) for d in (resolved, *resolved.parents)]  # the directories they lead to
+    for entry, info in seen:
+        if info.st_uid not in trusted:
+            return f"{entry} belongs to uid {info.st_uid}, who could replace the socket; choose a directory of your own"
+        if (stat.S_ISDIR(info.st_mode) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+                and not info.st_mode & stat.S_ISVTX):
+            return (f"{entry} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), "
+                    "who could replace the socket")
+    return None
 
 
 def _is_socket(path: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -48,6 +49,25 @@ def test_a_users_job_finds_the_system_service_unless_the_user_runs_a_daemon(tmp_
             assert own == agent_socket_path(env, uid=1000, system_socket=system)
         assert tmp_path / "set" == agent_socket_path({**env, "TORCHPULSE_SOCKET": str(tmp_path / "set")},
                                                      uid=1000, system_socket=system)
+
+
+@pytest.mark.parametrize("squat", ["owner", "mode"])
+def test_a_users_own_socket_under_a_directory_another_user_controls_is_not_used(tmp_path: Path, squat: str) -> None:
+    """A /tmp/torchpulse-UID made by another user (or writable by others): its socket may be theirs, and the job
+    would send them its metrics and run their commands. The service's socket is used instead, whatever exists."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "user")}
+    own, system = tmp_path / "user" / "torchpulse" / "agent.sock", tmp_path / "run" / "agent.sock"
+    with _listen(own):
+        if squat == "owner":
+            os.chown(own.parent, 4242, 4242)
+        else:
+            own.parent.chmod(0o777)
+        assert system == agent_socket_path(env, uid=1000, system_socket=system)
+        with _listen(system):
+            assert system == agent_socket_path(env, uid=1000, system_socket=system)
+        own.parent.chmod(0o700)
+        os.chown(own.parent, 1000, 1000)
+        assert own == agent_socket_path(env, uid=1000, system_socket=system)
 
 
 @pytest.mark.parametrize(

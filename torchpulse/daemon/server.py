@@ -39,6 +39,7 @@ from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.peercred import peer_of
 from torchpulse.daemon.registry import NODE_LOG_EVENT, Peer, RankState, Registry, RunState
+from torchpulse.paths import foreign_control
 from torchpulse.protocol import (
     HEADER_SIZE,
     Batch,
@@ -527,19 +528,8 @@ def _refuse_foreign_directories(directory: Path) -> None:
     """PermissionError when a user other than root and the daemon's could replace the socket in `directory`.
 
     That user would receive every agent's hello, metrics and command answers, and could send them
-    commands: a `/tmp/torchpulse-UID` another user made before this user's first daemon, say. Each
-    directory on the way (and each symlink) must be root's or ours, and writable by nobody else
-    unless sticky (as /tmp is).
+    commands: a `/tmp/torchpulse-UID` another user made before this user's first daemon, say.
     """
-    trusted = (0, os.geteuid())
-    seen = [(d, d.lstat()) for d in (directory, *directory.parents)]  # as given: symlinks on the way too
-    resolved = directory.resolve(strict=True)
-    seen += [(d, d.stat()) for d in (resolved, *resolved.parents)]  # the directories they lead to
-    for entry, info in seen:
-        if info.st_uid not in trusted:
-            raise PermissionError(f"refusing to put the agent socket under {directory}: {entry} belongs to uid "
-                                  f"{info.st_uid}, who could replace the socket; choose a directory of your own")
-        if (stat.S_ISDIR(info.st_mode) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-                and not info.st_mode & stat.S_ISVTX):
-            raise PermissionError(f"refusing to put the agent socket under {directory}: {entry} is writable by "
-                                  f"other users (mode {stat.S_IMODE(info.st_mode):o}), who could replace the socket")
+    problem = foreign_control(directory, (0, os.geteuid()))
+    if problem is not None:
+        raise PermissionError(f"refusing to put the agent socket under {directory}: {problem}")
