@@ -14,7 +14,7 @@ from torchpulse.protocol import PROTOCOL_VERSION
 # Listed even at zero so that alerts on them have a series to watch.
 FRAME_REJECT_REASONS = (
     "bad_magic", "version_mismatch", "oversized", "decode_error", "invalid_frame", "unknown_type",
-    "truncated", "no_hello", "unexpected_type", "timeout", "rank_taken",
+    "truncated", "no_hello", "unexpected_type", "timeout", "rank_taken", "run_owned",
 )
 
 SERIES_REJECT_REASONS = ("unknown_family", "bad_shape", "bad_buckets", "bad_value", "label_too_long",
