@@ -289,6 +289,28 @@ def test_another_users_checkpoint_is_not_validated_nor_its_directory_watched(sha
         daemon.stop()
 
 
+@needs_root
+def test_a_checkpoint_of_the_jobs_own_in_a_teams_shared_directory_is_validated(shared: Path,
+                                                                                saved_checkpoint: Path) -> None:
+    """The usual team layout: a group-writable setgid project directory of someone else's, in which each member's
+    job writes its own checkpoints. The checkpoint is the job's user's: validated, its directory watched."""
+    team = shared / "team-ckpts"
+    team.mkdir()
+    team.chmod(0o2775)
+    own = team / "step-1"
+    shutil.copytree(saved_checkpoint, own)
+    for path in (own, *own.iterdir()):
+        os.chown(path, OTHER_UID, OTHER_UID)
+    daemon = _open_daemon(shared)
+    try:
+        _as_user(lambda: _announce(daemon, "team-run", str(own)))
+        wait_for(lambda: bool(_events(daemon, "checkpoint validated")), timeout=60)
+        assert ([], [str(own)]) == (_events(daemon, "checkpoint announcement refused"),
+                                    [line["path"] for line in _events(daemon, "checkpoint validated")])
+    finally:
+        daemon.stop()
+
+
 def test_a_checkpoint_announced_under_proc_never_makes_proc_a_watched_root(daemon: DaemonProcess) -> None:
     """A directory of the job's own on a kernel filesystem (its /proc/PID): refused whoever asks, else the daemon
     would watch all of /proc recursively (gigabytes of memory and log within a minute)."""
