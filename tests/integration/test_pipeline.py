@@ -55,6 +55,21 @@ def test_two_ranks_report_exact_steps_histograms_and_scheduled_lr(daemon: Daemon
     assert ["2"] == [dict(k)["world_size"] for k in info]
 
 
+def test_non_finite_passes_are_exported_at_zero_before_the_first_nan(daemon: DaemonProcess) -> None:
+    """While the job still trains clean /metrics shows the non-finite counter at 0, and 1 after its NaN
+    step: an increase() that Prometheus can see, not a series born at 1."""
+    nan_at = 30
+    procs = _job(daemon, "--steps", "40", "--step-sleep", "0.1", "--nan-at-step", str(nan_at), run="zeros", ranks=1)
+    wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="zeros")), timeout=60)
+    samples = daemon.scrape()
+    [steps] = select(samples, "torchpulse_optimizer_steps_total", run="zeros", rank="0").values()
+    assert steps < nan_at  # else this scrape shows nothing about the time before the NaN
+    assert [0.0] == list(select(samples, "torchpulse_grad_nonfinite_passes_total", run="zeros", rank="0").values())
+    assert [(0, "")] == _finish(procs)
+    assert [1.0] == list(select(daemon.scrape(), "torchpulse_grad_nonfinite_passes_total", run="zeros",
+                                rank="0").values())
+
+
 def test_promtool_accepts_the_real_exposition(daemon: DaemonProcess) -> None:
     """`promtool check metrics` on a scrape taken after a real job prints nothing."""
     promtool = require_tool("promtool")

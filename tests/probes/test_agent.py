@@ -225,7 +225,7 @@ def test_a_subclass_calling_super_step_counts_one_step() -> None:
     try:
         _train(optimizer, model, 3)
         agent.drain()
-        assert (3.0, None) == (agent.store.value("optimizer_steps_total", ("Clipped#0",)),
+        assert (3.0, 0.0) == (agent.store.value("optimizer_steps_total", ("Clipped#0",)),
                                agent.store.value("optimizer_step_errors_total", ("Clipped#0",)))
     finally:
         agent.shutdown()

@@ -57,7 +57,7 @@ def test_records_without_reasons_count_recompiles_as_other(agent: Any) -> None:
     agent.drain()
     label = function_label("step", "/job/train.py", 7)
     assert {(label, "other"): 2.0} == _series(agent, "recompiles_total")
-    assert {("ok",): 3.0} == _series(agent, "compile_frames_total")
+    assert {("ok",): 3.0, ("failed",): 0.0} == _series(agent, "compile_frames_total")
 
 
 def test_a_limit_hit_torch_2_10_records_as_recompile_limit_exceeded_is_no_recompile(agent: Any) -> None:

@@ -30,6 +30,24 @@ def test_unsent_changes_are_restored_and_reconnect_resends_everything() -> None:
     assert (1, 1) == tuple(map(len, store.take_changes()))
 
 
+def test_a_counter_started_at_zero_is_sent_once_and_never_resets_a_running_total() -> None:
+    """start_at_zero sends each new series once at 0; on a series that counted, or a second call, it changes nothing."""
+    store = MetricStore()
+    store.inc("optimizer_steps_total", ("SGD#0",), 3.0)
+    store.take_changes()
+    store.start_at_zero("optimizer_steps_total", (("SGD#0",), ("SGD#1",)))
+    store.start_at_zero("grad_nonfinite_passes_total")
+    samples, _ = store.take_changes()
+    assert {("optimizer_steps_total", ("SGD#1",), 0.0), ("grad_nonfinite_passes_total", (), 0.0)} == {
+        (s.family, s.labels, s.value) for s in samples}
+    store.start_at_zero("grad_nonfinite_passes_total")
+    assert ([], []) == store.take_changes()
+    store.inc("grad_nonfinite_passes_total")
+    assert (3.0, 1.0) == (store.value("optimizer_steps_total", ("SGD#0",)), store.value("grad_nonfinite_passes_total"))
+    with pytest.raises(ValueError):
+        store.start_at_zero("optimizer_learning_rate", (("SGD#0", "0"),))  # a gauge is not a counter
+
+
 def test_histogram_buckets_are_upper_inclusive() -> None:
     """A value equal to a bucket bound lands in that bucket, like Prometheus' `le`."""
     store = MetricStore()

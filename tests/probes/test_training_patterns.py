@@ -75,7 +75,7 @@ def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
         for _ in range(3):
             optimizer.step(closure)  # type: ignore[no-untyped-call]
         assert closures > 3  # several passes per step, else this test shows nothing
-        assert (closures, 3.0, None, 0.0) == (
+        assert (closures, 3.0, 0.0, 0.0) == (
             passes(agent, "backward"), value(agent, "optimizer_steps_total", "LBFGS#0"),
             value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
 

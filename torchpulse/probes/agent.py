@@ -24,6 +24,8 @@ log = get_logger("torchpulse.agent")
 Record = tuple[Callable[..., None], tuple[Any, ...]]
 # Keeps one hostile recompile reason from filling a frame.
 MAX_FIELD_CHARS = 4096
+# The `reason` values of agent_events_dropped_total, in the order `_sync_drop_counters` reads them.
+DROP_REASONS = ("buffer_full", "events_overflow", "oversized")
 
 
 class Agent:
@@ -36,6 +38,9 @@ class Agent:
         # Read on every hook call; cleared on detach and in forked children.
         self.enabled = True
         self.store = MetricStore()
+        # At 0 from the first batch on, so that rate() sees the first drops (the sender thread that
+        # owns the store does not exist yet).
+        self.store.start_at_zero("agent_events_dropped_total", tuple((reason,) for reason in DROP_REASONS))
         self.probes: dict[str, Any] = {}
         self._buffer: deque[Record] = deque()
         # The agent's own bookkeeping (probe enabled, probe errors): sent, but
@@ -112,8 +117,8 @@ class Agent:
                     log.warning("dropped a record that failed to aggregate", error=repr(exc))
 
     def _sync_drop_counters(self) -> None:
-        for reason, total in (("buffer_full", self._buffer_drops), ("events_overflow", self._event_drops),
-                              ("oversized", self._oversized_drops)):
+        for reason, total in zip(DROP_REASONS, (self._buffer_drops, self._event_drops, self._oversized_drops),
+                                 strict=True):
             if total != self._reported_drops.get(reason, 0):
                 self.store.inc("agent_events_dropped_total", (reason,), total - self._reported_drops.get(reason, 0))
                 self._reported_drops[reason] = total

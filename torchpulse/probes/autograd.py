@@ -53,6 +53,8 @@ LOST_SEARCH_EVERY = 10
 # per rank for as long as it runs; the counter and the gauge still see every pass.
 NONFINITE_LOG_BURST = 10
 NONFINITE_LOG_INTERVAL = 60.0
+# The `kind` values of backward_passes_total (see `_plan`).
+PASS_KINDS = ("backward", "grad", "compiled_autograd", "reentrant")
 # Non-traced tensor types take the fast path; anything else is checked for fake/functional.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -141,6 +143,8 @@ class AutogradProbe(Probe):
         sample_every = self._control.pop("sample_every", None)
         if sample_every is not None:
             self._sample_every = sample_every
+            if sample_every > 0:
+                self.start_at_zero("autograd_sampled_passes_total")
             # A shorter period takes effect now, not after the old countdown.
             self._countdown = min(self._countdown, (sample_every or DISCOVER_EVERY) - 1)
         log_passes = self._control.pop("log_passes", None)
@@ -178,6 +182,15 @@ class AutogradProbe(Probe):
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
+        self._start_counters_at_zero()
+
+    def _start_counters_at_zero(self) -> None:
+        """The counters whose labels are known now, at 0: a NaN pass must be an increase() from 0."""
+        self.start_at_zero("backward_passes_total", tuple((kind,) for kind in PASS_KINDS))
+        if self.config.nonfinite:
+            self.start_at_zero("grad_nonfinite_passes_total")
+        if self._sample_every > 0:  # else at 0 once `set_sample_every` switches timing on
+            self.start_at_zero("autograd_sampled_passes_total")
 
     def _keep_dynamo_out(self, *wrappers: Callable[..., Any]) -> None:
         """Run the wrappers and the probe's work eagerly even under a compiled step.

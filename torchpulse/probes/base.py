@@ -72,6 +72,7 @@ class Probe:
         self.enabled = True
         self._handle = ProbeHandle(self)
         self.agent.record_quiet(self._set_enabled_gauge, 1.0)
+        self.start_at_zero("agent_probe_errors_total", ((self.name,),))
         return self._handle
 
     def uninstall(self) -> None:
@@ -120,6 +121,17 @@ class Probe:
                 self.fail(exc)
 
         self._keep(AfterImport(module, deferred))
+
+    def start_at_zero(self, name: str, label_sets: tuple[tuple[str, ...], ...] = ((),)) -> None:
+        """Have counter series exported at 0 before their first event (see `MetricStore.start_at_zero`).
+
+        Call once, when the probe can start counting them (install, or when a labelled object is
+        first seen), never per step. Quiet: zeros alone must not make a process that never trains connect.
+        """
+        self.agent.record_quiet(self._store_zeros, name, label_sets)
+
+    def _store_zeros(self, name: str, label_sets: tuple[tuple[str, ...], ...]) -> None:
+        self.agent.store.start_at_zero(name, label_sets)
 
     def _set_enabled_gauge(self, value: float) -> None:
         self.agent.store.set("agent_probe_enabled", (self.name,), value)

@@ -38,6 +38,8 @@ DEFAULT_TOP_K = 20
 KIND_LIMIT = 50
 # Frame ids are per code object; forget them all if a job churns through code.
 MAX_FRAMES = 4096
+# The `status` values of compile_frames_total.
+FRAME_STATUSES = ("ok", "failed")
 
 
 class Compilation(NamedTuple):
@@ -159,6 +161,11 @@ class CompileProbe(Probe):
         if tf.has("compilation_metrics_log"):
             if not tf.metrics_logging_enabled():
                 log.warning("torch._dynamo.config.log_compilation_metrics is off; compile metrics stay empty")
+            else:
+                # Only now that frames can be counted: a 0 says "watched, none", so not before
+                # Dynamo is loaded nor without the records. The other compile counters are labelled
+                # by function or location, an open set, and start at their first event.
+                self.start_at_zero("compile_frames_total", tuple((status,) for status in FRAME_STATUSES))
             self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
             # A limit hit names its function only through an earlier compile of the frame, which
             # may predate the probe (attached late, or to a running job).

@@ -30,7 +30,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe
 from torchpulse.probes.compile_logtap import LogTap
-from torchpulse.probes.compile_reasons import classify_cudagraph_skip, classify_rerecord
+from torchpulse.probes.compile_reasons import (
+    CUDAGRAPH_SKIP_REASONS,
+    RERECORD_REASONS,
+    classify_cudagraph_skip,
+    classify_rerecord,
+)
 from torchpulse.probes.config import int_option
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.optimizer import OptimizerLabels
@@ -175,6 +180,9 @@ class CudaGraphProbe(Probe):
             # Only a CUDA process builds graph trees; elsewhere a DEBUG level on
             # torch's logger would be a change with nothing to observe.
             self._tap(tf.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
+            # Inductor imports the tree module when it first records a graph: a job that never
+            # uses CUDA graphs (most, though every optimizer step loads Dynamo) gets no zeros.
+            self._install_after_import(tf.CUDAGRAPH_TREES, self._start_counters_at_zero)
         if tf.has("compilation_metrics_log"):
             self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_compile_end)
         if tf.has("compile_callbacks") and tf.has("compile_callback_args"):
@@ -183,6 +191,17 @@ class CudaGraphProbe(Probe):
             self._keep(self._callbacks)
         self._checked_step = self.guard(self._after_step)
         self._keep(register_optimizer_step_post_hook(self._every_step))
+
+    def _start_counters_at_zero(self) -> None:
+        """Every counter of this probe at 0 (their labels are fixed reason lists), so that a later
+        skip or re-record is an increase() from 0 instead of a series born at its first value."""
+        self.start_at_zero("cudagraph_skips_total", tuple((reason,) for reason in CUDAGRAPH_SKIP_REASONS))
+        self.start_at_zero("cudagraph_rerecords_total", tuple((reason,) for reason in RERECORD_REASONS))
+        for family in ("cudagraph_recordings_total", "cudagraph_warmups_total", "cudagraph_rerecord_limit_hits_total",
+                       "cudagraph_dynamic_shape_warnings_total"):
+            self.start_at_zero(family)
+        if tf.has("dynamo_counters"):  # its only source
+            self.start_at_zero("cudagraph_nonstatic_input_copies_total")
 
     def _tap(self, logger_name: str, level: int, sink: Any) -> None:
         tap = LogTap(logger_name, level, self.guard(sink))

@@ -170,6 +170,9 @@ class OptimizerProbe(Probe):
     def _track(self, optimizer: Optimizer) -> _Tracked:
         tracked = _Tracked(self._labels.take(optimizer))
         self._tracked[optimizer] = tracked
+        # Once per optimizer: a step that raises later is then an increase() from 0, not a series born at 1.
+        for family in ("optimizer_steps_total", "optimizer_step_errors_total"):
+            self.start_at_zero(family, ((tracked.label,),))
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
             ref = weakref.ref(tracked)

@@ -55,6 +55,20 @@ class MetricStore:
         self._values[key] = value + amount
         self._dirty.add(key)
 
+    def start_at_zero(self, name: str, label_sets: tuple[tuple[str, ...], ...] = ((),)) -> None:
+        """Create counter series at 0 so their first increment is a visible change; a series that
+        exists keeps its running total (a re-install or a resend must never reset a count).
+
+        Prometheus' rate() and increase() cannot see the increment that created a series: a
+        counter first exported at 1 reads as no change.
+        """
+        for labels in label_sets:
+            key = (name, labels)
+            if key not in self._values:
+                self._family(name, "counter", labels)
+                self._values[key] = 0.0
+                self._dirty.add(key)
+
     def set(self, name: str, labels: tuple[str, ...], value: float) -> None:
         key = (name, labels)
         if key not in self._values:
