@@ -158,6 +158,33 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
 TOOL_PACKAGES = {"promtool": "prometheus", "prometheus": "prometheus"}
 
 
+def as_user(call: Callable[[], tuple[int, bytes]], uid: int,
+            groups: list[int] | None = None) -> tuple[int, bytes]:
+    """`call()` in a forked child that dropped to `uid` (with supplementary `groups`, else none): the exit
+    code and bytes it returned (99 and the exception's repr if it raised). Forked, not exec'd: the venv's
+    python is not executable by other users here. Needs root."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 99
+        try:
+            os.close(read_end)
+            os.setgroups(groups or [])
+            os.setgid(uid)
+            os.setuid(uid)
+            code, out = call()
+            os.write(write_end, out)
+        except BaseException as exc:
+            os.write(write_end, f"child failed: {exc!r}".encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        out = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out
+
+
 def require_tool(name: str) -> str:
     """A tool's path; skip without it, but fail when $CI is set (CI must provide it)."""
     import shutil

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO, DaemonProcess, free_port, local_agent, send_raw, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, as_user, free_port, local_agent, send_raw, start_daemon, wait_for
 from torchpulse.daemon.client import DaemonUnavailable, request_status, send_ctl
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Peer, Registry
@@ -49,27 +49,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another use
 
 
 def _as_user(call: Callable[[], bytes], uid: int = OTHER_UID, groups: list[int] | None = None) -> bytes:
-    """`call()` run in a forked child that dropped to `uid` (with supplementary `groups`); what it returned."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 1
-        try:
-            os.close(read_end)
-            os.setgroups(groups or [])
-            os.setgid(uid)
-            os.setuid(uid)
-            os.write(write_end, call())
-            code = 0
-        except BaseException as exc:
-            os.write(write_end, f"child failed: {exc!r}".encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        out = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    assert 0 == os.waitstatus_to_exitcode(status), out
+    """`call()` run as `uid` (with supplementary `groups`) in a forked child; what it returned."""
+    code, out = as_user(lambda: (0, call()), uid, groups)
+    assert 0 == code, out
     return out
 
 

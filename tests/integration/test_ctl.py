@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, as_user, select, start_daemon, wait_for
 from torchpulse import cli
 from torchpulse.daemon.client import send_ctl
 from torchpulse.protocol import Batch, CtlRequest, Hello, Sample, encode
@@ -41,28 +41,15 @@ def _ctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _ctl_as_user(uid: int, argv: list[str]) -> tuple[int, str]:
-    """Run the ctl CLI code in a forked child that dropped to `uid` (the venv's python is not
-    executable by other users here, so the child runs the CLI in-process instead of exec'ing)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 99
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                code = cli.main(argv)
-            os.write(write_end, err.getvalue().encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        stderr = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), stderr
+    """Run the ctl CLI code as `uid` (in-process in a forked child): its exit code and stderr."""
+    def ctl() -> tuple[int, bytes]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(argv)
+        return code, err.getvalue().encode()
+
+    code, stderr = as_user(ctl, uid)
+    return code, stderr.decode()
 
 
 def _wait_connected(daemon: DaemonProcess, run: str, ranks: int = 2) -> None:

@@ -8,14 +8,20 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.checkpoints.conftest import SAVE_SCRIPT, run_ranks
+from tests.support import DaemonProcess
+from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
+
+if TYPE_CHECKING:
+    from tests.watcher.test_service import FakeWorker
 
 __all__ = ["SAVE_SCRIPT", "file_modes_bind", "run_ranks", "run_service", "save_single", "shut_out"]
 PR_CAPBSET_DROP = 24
@@ -95,3 +101,22 @@ def commit_copy(source: Path, target: Path) -> None:
             shutil.copy2(item, target / item.name)
     shutil.copyfile(source / ".metadata", target / ".metadata.tmp")
     (target / ".metadata.tmp").rename(target / ".metadata")
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
+    """A fast stand-in for the validation worker process (test_service.py keeps its slower one)."""
+    from tests.watcher.test_service import FakeWorker  # a test module: imported late, it imports this one
+
+    fake = FakeWorker(seconds=0.01)
+    monkeypatch.setattr(checkpoint_runner, "validate", fake)
+    return fake
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[DaemonProcess]]:
+    """Daemons a test started, stopped at its end whatever happened."""
+    daemons: list[DaemonProcess] = []
+    yield daemons
+    for daemon in daemons:
+        daemon.stop()

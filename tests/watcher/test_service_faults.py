@@ -20,7 +20,7 @@ from watchdog.observers import inotify_c
 
 from tests.watcher.conftest import run_service
 from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
-from torchpulse.daemon import checkpoint_roots, checkpoint_runner, checkpoint_service, watcher
+from torchpulse.daemon import checkpoint_roots, checkpoint_service, watcher
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_mounts import Mount
 from torchpulse.daemon.checkpoint_scan import deleted, metadata_key, scan
@@ -31,13 +31,6 @@ from torchpulse.protocol import CheckpointSaved
 
 # Deeper than watchdog's recursive walks go (the recursion limit, in a fresh thread).
 TOO_DEEP = 1000
-
-
-@pytest.fixture
-def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
-    fake = FakeWorker(seconds=0.01)
-    monkeypatch.setattr(checkpoint_runner, "validate", fake)
-    return fake
 
 
 def _events(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:

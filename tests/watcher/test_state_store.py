@@ -14,20 +14,12 @@ from structlog.testing import capture_logs
 
 from tests.watcher.conftest import run_service
 from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
-from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.daemon.checkpoint_state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CheckpointSaved
 
 PAGE = 4096  # sqlite's default page size: page 1 holds the header and the schema
-
-
-@pytest.fixture
-def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
-    fake = FakeWorker(seconds=0.01)
-    monkeypatch.setattr(checkpoint_runner, "validate", fake)
-    return fake
 
 
 def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(

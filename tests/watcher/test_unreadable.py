@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -20,7 +18,7 @@ from structlog.testing import capture_logs
 from tests.support import DaemonProcess, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy, file_modes_bind, run_service, shut_out
 from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
-from torchpulse.daemon import checkpoint_runner
+from tests.watcher.test_service_faults import _events
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.daemon.watcher import unreadable
@@ -28,14 +26,6 @@ from torchpulse.daemon.watcher import unreadable
 UNREADABLE = "checkpoint root cannot be read"
 READABLE_AGAIN = "checkpoint root can be read again; watching it"
 NOT_WRITABLE = "state directory not writable"
-
-
-@pytest.fixture
-def stopper() -> Iterator[list[DaemonProcess]]:
-    daemons: list[DaemonProcess] = []
-    yield daemons
-    for daemon in daemons:
-        daemon.stop()
 
 
 def _readable(daemon: DaemonProcess) -> dict[str, float]:
@@ -150,17 +140,6 @@ def test_unreadable_names_why_a_directory_cannot_be_listed(tmp_path: Path) -> No
     (tmp_path / "file").write_text("")
     reasons = [unreadable(str(path)) for path in (tmp_path, tmp_path / "missing", tmp_path / "file")]
     assert [None, "No such file or directory", "Not a directory"] == reasons
-
-
-@pytest.fixture
-def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
-    fake = FakeWorker(seconds=0.01)
-    monkeypatch.setattr(checkpoint_runner, "validate", fake)
-    return fake
-
-
-def _events(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    return [entry for entry in logs if str(entry["event"]).startswith(event)]
 
 
 @pytest.mark.parametrize("observer", ["inotify", "polling"])

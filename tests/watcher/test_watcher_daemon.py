@@ -6,7 +6,7 @@ import ctypes
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,14 +30,6 @@ def _count(daemon: DaemonProcess, name: str, **labels: str) -> float:
 
 def _validated_paths(daemon: DaemonProcess) -> list[str]:
     return [str(line["path"]) for line in daemon.log_lines() if line.get("event") == "checkpoint validated"]
-
-
-@pytest.fixture
-def stopper() -> Iterator[list[DaemonProcess]]:
-    daemons: list[DaemonProcess] = []
-    yield daemons
-    for daemon in daemons:
-        daemon.stop()
 
 
 @pytest.mark.parametrize("observer", ["inotify", "polling"])
