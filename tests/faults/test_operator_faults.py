@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy, run_service
 from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
 from torchpulse.daemon import checkpoint_runner
@@ -93,6 +93,21 @@ def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_
     assert f"cannot serve /metrics on 127.0.0.1:{port} (daemon.listen in the config, or --listen)" in errors[0]
     assert (False, False) == ((tmp_path / "a.sock").exists(), textfile.exists())
 
+
+
+def test_a_start_refused_at_the_agent_socket_removes_a_killed_daemons_textfile(tmp_path: Path) -> None:
+    """Any failed start, not only a taken port: a regular file where the socket goes refuses the start, and the
+    textfile a killed daemon left (agent_up 1, frozen counters) goes, as node_exporter would serve it for ever."""
+    textfile, sock = tmp_path / "torchpulse.prom", tmp_path / "a.sock"
+    textfile.write_text('torchpulse_agent_up{run="r",rank="0"} 1\n')
+    sock.write_text("not a socket")
+    config = tmp_path / "tp.toml"
+    config.write_text(f'[daemon]\ntextfile = "{textfile}"\n')
+    proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--listen",
+                           f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"), "--config", str(config)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert 1 == proc.returncode and "exists and is not a socket" in proc.stderr, proc.stderr
+    assert (False, "not a socket") == (textfile.exists(), sock.read_text())
 
 
 def test_a_textfile_output_moved_or_switched_off_on_sighup_leaves_no_frozen_file(tmp_path: Path) -> None:

@@ -104,20 +104,22 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         daemon_cfg = self.config.daemon
-        await self.agents.start(daemon_cfg.socket, self.inherited_socket)
         host, port = parse_listen(daemon_cfg.listen)
         try:
+            await self.agents.start(daemon_cfg.socket, self.inherited_socket)
             await self.metrics.start(host, port)
+            # Opens (and makes) the state directory; a daemon that cannot write it stays up, says so once, and
+            # exports torchpulse_daemon_state_persistent 0: a refused start would lose the metrics and agents too.
+            await self.checkpoints.start()
         except BaseException:
-            # The metrics port taken (the usual failed start): the socket file bound above would stay behind, and
-            # agents would get "connection refused" from a dead socket instead of "no daemon". A textfile that a
-            # killed daemon left goes too: node_exporter would serve its agent_up 1 and frozen counters for ever.
+            # A failed start (the metrics port taken, usually): the socket file bound above would stay behind,
+            # and agents would get "connection refused" from a dead socket instead of "no daemon". A textfile
+            # that a killed daemon left goes too: node_exporter would serve its agent_up 1 and frozen counters
+            # for as long as the restart loop lasts.
+            await self.metrics.close()
             await self.agents.close()
             await self._remove_textfile(self.config.daemon.textfile)
             raise
-        # Opens (and makes) the state directory; a daemon that cannot write it stays up, says so once, and
-        # exports torchpulse_daemon_state_persistent 0: a refused start would lose the metrics and the agents too.
-        await self.checkpoints.start()
         log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
                  socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
                  metrics=f"http://{host}:{self.metrics.port}/metrics")
