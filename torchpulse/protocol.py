@@ -38,6 +38,9 @@ MAX_LOG_PASSES: Final = 100
 MIN_SAMPLE_RATE: Final = 1e-6
 # How long a command may wait for its answers; longer, and a client's typo holds the daemon for days.
 MAX_COMMAND_TIMEOUT: Final = 3600.0
+# The trace argument the daemon sets on every trace command, whatever its client sent: the sender's uid
+# (SO_PEERCRED), with which the agent decides where that sender may have it write.
+CALLER_UID_ARG: Final = "caller_uid"
 
 
 def utf8(text: str) -> str:

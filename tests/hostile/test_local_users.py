@@ -30,8 +30,8 @@ from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.exporters import textfile
 from torchpulse.framing import FrameReader
 from torchpulse.probes.agent import Agent
-from torchpulse.probes.trace_capture import CALLER_UID_ARG
 from torchpulse.protocol import (
+    CALLER_UID_ARG,
     CHECKPOINT_SAVED_EVENT,
     Batch,
     Command,

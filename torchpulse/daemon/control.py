@@ -25,8 +25,8 @@ import structlog
 
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.registry import Peer, RankState, Registry
-from torchpulse.probes.trace_capture import CALLER_UID_ARG
 from torchpulse.protocol import (
+    CALLER_UID_ARG,
     MAX_COMMAND_TIMEOUT,
     Command,
     CommandResult,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from torchpulse.probes import trace_capture
-from torchpulse.protocol import MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE, Command
+from torchpulse.protocol import CALLER_UID_ARG, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE, Command
 
 
 class CommandFailed(Exception):
@@ -47,7 +47,7 @@ def check_arguments(command: Command) -> int | None:
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
             raise CommandFailed(f"start_step must be an integer, got {_shown(start)}")
         try:
-            return trace_capture.open_out_dir(args.get("out"), args.get(trace_capture.CALLER_UID_ARG))
+            return trace_capture.open_out_dir(args.get("out"), args.get(CALLER_UID_ARG))
         except ValueError as exc:
             raise CommandFailed(str(exc)) from None
     return None

@@ -32,8 +32,6 @@ from torchpulse.protocol import Command
 # The run's part of a file name: long enough to recognise, short of NAME_MAX (255).
 MAX_RUN_CHARS_IN_NAME = 64
 MAX_OUT_CHARS = 4096
-# Set by the daemon on every trace command, whatever its client sent: the sender's uid (SO_PEERCRED).
-CALLER_UID_ARG: Final = "caller_uid"
 # A directory opened for a trace: never blocks on a FIFO, never leaks into a child the job forks.
 _OPEN_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK
 
