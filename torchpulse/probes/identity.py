@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import shlex
 import socket
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from torchpulse.probes.command_line import shown_command
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,5 @@ def current_identity(env: Mapping[str, str] | None = None) -> Identity:
         env_world_size=_env_int(env, ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
         host=socket.gethostname(),
         pid=os.getpid(),
-        # Bounded: run_info carries it as a label value.
-        command=shlex.join([sys.executable, *sys.argv])[:256],
+        command=shown_command([sys.executable, *sys.argv]),
     )
