@@ -23,7 +23,8 @@ from torchpulse.daemon.checkpoint_service import CheckpointService
 if TYPE_CHECKING:
     from tests.watcher.test_service import FakeWorker
 
-__all__ = ["SAVE_SCRIPT", "file_modes_bind", "run_ranks", "run_service", "save_single", "shut_out"]
+__all__ = ["SAVE_SCRIPT", "file_modes_bind", "rewrite_a_shard", "run_ranks", "run_service", "save_single",
+           "shut_out"]
 PR_CAPBSET_DROP = 24
 # Root passes every permission check through these two; without them, file modes bind it as any other user.
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
@@ -101,6 +102,15 @@ def commit_copy(source: Path, target: Path) -> None:
             shutil.copy2(item, target / item.name)
     shutil.copyfile(source / ".metadata", target / ".metadata.tmp")
     (target / ".metadata.tmp").rename(target / ".metadata")
+
+
+def rewrite_a_shard(checkpoint: Path) -> Path:
+    """Write one `.distcp` file again under the old `.metadata`, as a DCP overwrite in place that crashed before
+    its commit leaves it (the same bytes: what the metadata says about them stays true, only time tells)."""
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes())
+    assert shard.stat().st_mtime_ns > (checkpoint / ".metadata").stat().st_mtime_ns
+    return shard
 
 
 @pytest.fixture

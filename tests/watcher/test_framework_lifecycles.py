@@ -1,8 +1,9 @@
 """Checkpoint lifecycles of real training frameworks, validated by the real worker process.
 
 Retention deleting old `step-N/` directories, an overwrite in place whose shards
-are rewritten while the previous save is validated, a `latest` symlink on a
-polled root, and the Hugging Face files that share checkpoint roots with DCP saves.
+are rewritten while the previous save is validated, one that crashed under a
+validated `.metadata`, a `latest` symlink on a polled root, and the Hugging Face
+files that share checkpoint roots with DCP saves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tests.watcher.conftest import commit_copy, run_service
+from tests.watcher.conftest import commit_copy, rewrite_a_shard, run_service
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.protocol import CheckpointSaved
@@ -141,6 +142,45 @@ def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save
         (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the save commits
         await _until(lambda: bool(_validations(service, root)))
         assert ({"valid": 1}, "valid") == (_validations(service, root), service.stats.root(str(root)).last_status)
+
+    run_service(tmp_path, config, body)
+
+
+def test_an_overwrite_in_place_that_crashed_under_a_validated_metadata_turns_the_root_invalid(
+        tmp_path: Path, saved_checkpoint: Path) -> None:
+    """`latest/` was validated; the next save rewrote a shard and crashed before its `.metadata`. Once the shards
+    have been quiet for incomplete_after_seconds, the root's last status is invalid (TP-CKPT-004), validated once;
+    the save after it, committed, makes it valid again."""
+    root = tmp_path / "root"
+    ckpt = root / "latest"
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=1.5,
+                               debounce_seconds=0.0, level="metadata")
+
+    async def idle(service: CheckpointService) -> None:
+        await asyncio.sleep(0.1)
+        await _until(lambda: not service._in_flight and not service._pending)
+
+    async def body(service: CheckpointService) -> None:
+        stats = service.stats.root(str(root))
+        commit_copy(saved_checkpoint, ckpt)
+        await _until(lambda: stats.last_status == "valid")
+        rewritten_at = time.monotonic()
+        rewrite_a_shard(ckpt)
+        await service.sweep()
+        await idle(service)
+        assert time.monotonic() - rewritten_at < config.incomplete_after_seconds, "too slow to see it pending"
+        assert ({"valid": 1}, "valid") == (_validations(service, root), stats.last_status)
+        await _until(lambda: stats.last_status != "valid")  # by the sweeps every 0.5 s
+        assert "invalid" == stats.last_status
+        assert ("TP-CKPT-004", "error") in stats.findings
+        for _ in range(3):
+            await service.sweep()
+            await idle(service)
+        assert {"valid": 1, "invalid": 1} == _validations(service, root)
+        shutil.copyfile(saved_checkpoint / ".metadata", ckpt / ".metadata.tmp")
+        (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the next save commits
+        await _until(lambda: stats.last_status == "valid")
+        assert ({"valid": 2, "invalid": 1}, {}) == (_validations(service, root), stats.findings)
 
     run_service(tmp_path, config, body)
 

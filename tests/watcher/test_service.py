@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.watcher.conftest import commit_copy, run_service
+from tests.watcher.conftest import commit_copy, rewrite_a_shard, run_service
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoint_scan import metadata_key
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.protocol import CheckpointSaved
@@ -147,6 +148,75 @@ def test_an_overwrite_in_place_is_validated_again(
 
     run_service(tmp_path, config, body)
     assert 2 == len(worker.calls)
+
+
+def test_the_key_of_a_checkpoint_names_data_written_after_its_metadata(tmp_path: Path) -> None:
+    """A pristine checkpoint keeps the key stored before shards counted; a shard newer by 1 ns changes it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shard, metadata = ckpt / "__0_0.distcp", ckpt / ".metadata"
+    shard.write_bytes(b"shard")
+    metadata.write_bytes(b"metadata")
+    committed_ns = 1_700_000_000_123_456_789
+    os.utime(metadata, ns=(committed_ns, committed_ns))
+    st = metadata.stat()
+    pristine = (f"{st.st_ino}:{committed_ns}:{st.st_size}", st.st_mtime)
+    (ckpt / "late.distcp").mkdir()  # neither a directory nor a dangling symlink is data
+    os.utime(ckpt / "late.distcp", ns=(committed_ns + 5, committed_ns + 5))
+    (ckpt / "gone.distcp").symlink_to(ckpt / "nowhere")
+    for shard_ns in (committed_ns - 10**9, committed_ns):
+        os.utime(shard, ns=(shard_ns, shard_ns))
+        assert [pristine, pristine] == [metadata_key(str(ckpt)), metadata_key(str(ckpt))]
+    # 1 ns later: the same float mtime, a different save.
+    os.utime(shard, ns=(committed_ns + 1, committed_ns + 1))
+    assert (f"{pristine[0]};rewritten@{committed_ns + 1}", st.st_mtime) == metadata_key(str(ckpt))
+    os.utime(shard, ns=(committed_ns + 2, committed_ns + 2))
+    assert (f"{pristine[0]};rewritten@{committed_ns + 2}", st.st_mtime) == metadata_key(str(ckpt))
+
+
+def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_quiet(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """A validated `latest/` whose overwrite in place crashed (new shards, old `.metadata`): left alone while the
+    shards are recent, validated once (here invalid) when they have been quiet, not again by later sweeps; the
+    next save that commits is validated again."""
+    root = tmp_path / "root"
+    ckpt = root / "latest"
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0,
+                               debounce_seconds=0.0)
+
+    async def idle(service: CheckpointService) -> None:
+        await asyncio.sleep(0.1)
+        await _until(lambda: not service._in_flight and not service._pending)
+
+    async def body(service: CheckpointService) -> None:
+        stats = service.stats.root(str(root))
+        commit_copy(saved_checkpoint, ckpt)
+        await _until(lambda: stats.last_status == "valid")
+        for _ in range(3):  # a pristine checkpoint's key is stable
+            await service.sweep()
+            await idle(service)
+        assert worker.called(1)
+        worker.invalid.add(str(ckpt))  # what the real worker finds then: TP-CKPT-004
+        rewritten_at = time.monotonic()
+        rewrite_a_shard(ckpt)
+        await service.sweep()
+        await idle(service)
+        assert time.monotonic() - rewritten_at < config.incomplete_after_seconds, "too slow to see it pending"
+        assert (1, "valid") == (len(worker.calls), stats.last_status)
+        await _until(lambda: stats.last_status == "invalid")  # by the sweeps every 0.5 s
+        for _ in range(3):
+            await service.sweep()
+            await idle(service)
+        assert worker.called(2)
+        worker.invalid.clear()
+        shutil.copyfile(saved_checkpoint / ".metadata", ckpt / ".metadata.tmp")
+        (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the next save commits
+        await _until(lambda: stats.last_status == "valid")
+        assert ({"valid": 2, "invalid": 1}, 3) == ({k: n for k, n in stats.validations.items() if n},
+                                                   len(worker.calls))
+
+    run_service(tmp_path, config, body)
+    assert [str(ckpt)] * 3 == worker.calls
 
 
 def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(

@@ -57,37 +57,57 @@ def _metadata_names(names: list[str]) -> list[str]:
 
 
 def metadata_key(path: str) -> tuple[str, float] | None:
-    """(inode:mtime_ns:size of the metadata, its mtime), or None when `path` has no metadata."""
+    """(the key of the checkpoint in `path`, the mtime of its metadata), or None when `path` has no metadata.
+
+    The key is inode:mtime_ns:size of the metadata, the commit marker DCP writes
+    last. An overwrite in place rewrites the shards first, so one that crashed
+    half way leaves new shards under the old, unchanged metadata: a mix that
+    `dcp.load` accepts. Data newer than the metadata therefore adds
+    `;rewritten@<its mtime_ns>`, and a directory validated before is validated
+    again. Data older than the metadata (a pristine save) adds nothing: keys
+    stored before the suffix existed still match, and nothing is validated anew.
+    """
     try:
         directory = Path(path)
-        names = _metadata_names([entry.name for entry in directory.iterdir()])
-        stats = [(directory / name).stat() for name in names]
+        names = [entry.name for entry in directory.iterdir()]
+        stats = [(directory / name).stat() for name in _metadata_names(names)]
     except (OSError, ValueError):  # ValueError: a NUL byte in the path
         return None
     if not stats:
         return None
     key = ";".join(f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}" for st in stats)
+    # In nanoseconds, as the validator's TP-CKPT-004 compares them: a float mtime can round two writes together.
+    newest_data = _newest_data_stat(path, names, DATA_SUFFIXES)
+    if newest_data is not None and newest_data.st_mtime_ns > max(st.st_mtime_ns for st in stats):
+        key += f";rewritten@{newest_data.st_mtime_ns}"
     return key, max(st.st_mtime for st in stats)
 
 
 def newest_data_write(directory: str, names: Iterable[str],
                       suffixes: tuple[str, ...] = DATA_SUFFIXES) -> float | None:
-    """mtime of the newest data file (by `suffixes`) among `names`, or None when there is none.
+    """mtime of the newest data file (by `suffixes`) among `names`, or None when there is none."""
+    newest = _newest_data_stat(directory, names, suffixes)
+    return None if newest is None else newest.st_mtime
+
+
+def _newest_data_stat(directory: str, names: Iterable[str], suffixes: tuple[str, ...]) -> os.stat_result | None:
+    """The stat of the newest data file (by `suffixes`) among `names`, or None when there is none.
 
     Only regular files count (symlinks followed): a dangling shard symlink or a
     directory named `*.distcp` is no data, and the sweep and the validation must
-    agree on this key or the save is validated again at every sweep.
+    agree on this or the save is validated again at every sweep.
     """
-    newest: float | None = None
+    newest: os.stat_result | None = None
+    base = Path(directory)  # once: this runs for every shard of every checkpoint at each sweep
     for name in names:
         if not name.endswith(suffixes):
             continue
         try:
-            st = (Path(directory) / name).stat()
+            st = (base / name).stat()
         except (OSError, ValueError):
             continue
-        if stat.S_ISREG(st.st_mode):
-            newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+        if stat.S_ISREG(st.st_mode) and (newest is None or st.st_mtime_ns > newest.st_mtime_ns):
+            newest = st
     return newest
 
 

@@ -3,7 +3,8 @@
 Everything here runs on the daemon's event loop. Filesystem events arrive
 from the watcher threads as `WatchEvent`s; agents' announcements arrive from
 the agent server. A committed checkpoint is debounced, re-stat'ed, skipped
-when its metadata key was validated before (also before a restart), and
+when its key (its metadata, and shards rewritten after it: `metadata_key`)
+was validated before (also before a restart), and
 validated in a worker process, at most `max_concurrent_validations` at once,
 the newest first: when saves come faster than validations, the newest
 checkpoint's status is what matters, and the backlog waits.
@@ -405,6 +406,8 @@ class CheckpointService:
         if not incomplete and self._overwrite_pending(committed_at, data_before):
             # Its shards are being rewritten under the old metadata: judged when the save commits (a new
             # metadata), or by a sweep once they have been quiet for incomplete_after_seconds (a crashed one).
+            # Its key carries the newest shard's mtime, so a sweep brings it back here even when this metadata
+            # was validated before, and it is validated once (not at each sweep) when the shards stay quiet.
             return
         root = self._root_of(path)
         level = Level.METADATA if incomplete else Level(self.config.level)
@@ -437,7 +440,11 @@ class CheckpointService:
         self._record(path, self._root_of(path), key, committed_at, result, elapsed)
 
     def _overwrite_pending(self, committed_at: float, newest_data: float | None) -> bool:
-        """Whether shards newer than the metadata were written too recently to call the save crashed."""
+        """Whether shards newer than the metadata were written too recently to call the save crashed.
+
+        Such shards are an overwrite in place under way, or one that crashed before its new metadata (the
+        validator's TP-CKPT-004) once they have been quiet for incomplete_after_seconds.
+        """
         return (newest_data is not None and newest_data > committed_at
                 and time.time() - newest_data < self.config.incomplete_after_seconds)
 
