@@ -1,22 +1,28 @@
 """Other users on a shared node: what a member of the socket's group can make the daemon and other users' jobs do.
 
-Cases that need a second user fork a child that drops to uid 65534 (root only) and talks to a
-real daemon. The agent's trace rules are checked in-process, with the sender's uid as the
-daemon passes it.
+Cases that need a second user fork a child that drops to uid 65534 (root only; 65533 where a
+third user is needed) and talks to a real daemon. The agent's trace rules are checked
+in-process, with the sender's uid as the daemon passes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
+import importlib
+import io
+import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,8 +30,9 @@ import pytest
 import torch
 
 from tests.support import REPO, DaemonProcess, as_user, free_port, local_agent, send_raw, start_daemon, wait_for
+from torchpulse import cli
 from torchpulse.daemon.client import DaemonUnavailable, request_status, send_ctl
-from torchpulse.daemon.control import ControlHub
+from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.exporters import textfile
 from torchpulse.framing import FrameReader
@@ -139,6 +146,105 @@ def test_control_group_counts_supplementary_groups_even_past_256(shared: Path) -
         assert (b"accepted", b"accepted", True) == (one, many, none.startswith(b"refused: uid 65534 may not"))
     finally:
         daemon.stop()
+
+
+def _job_as(uid: int, socket_path: Path, run: str) -> int:
+    """A training loop with the agent attached, run as `uid` in a forked child until killed: its pid."""
+    # Imported, and the model built (an optimizer imports Dynamo), before the fork: the child, as
+    # another user, cannot read root's Python installation.
+    for module in ("torch.profiler", "torchpulse.probes.api", "torchpulse.probes.agent", "torchpulse.probes.control",
+                   "torchpulse.probes.optimizer", "torchpulse.probes.transport"):
+        importlib.import_module(module)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            from torchpulse.probes.api import attach
+
+            attach(probes=("optimizer",), socket=str(socket_path), run=run)
+            while True:
+                optimizer.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                optimizer.step()
+                time.sleep(0.01)
+        except BaseException:
+            traceback.print_exc()  # shown with the test's failure
+        finally:
+            os._exit(1)
+    return pid
+
+
+def _ctl_as(uid: int, *argv: str) -> tuple[int, str, str]:
+    """`torchpulse ctl ARGV` run as `uid` (in a forked child: the venv is root's): status, stdout, stderr."""
+    def ctl() -> tuple[int, bytes]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["ctl", *argv])
+        return code, json.dumps([out.getvalue(), err.getvalue()]).encode()
+
+    code, printed = as_user(ctl, uid)
+    stdout, stderr = json.loads(printed)
+    return code, stdout, stderr
+
+
+@needs_root
+def test_a_jobs_user_controls_their_own_run_and_no_one_elses(shared: Path) -> None:
+    """uid 65534 runs a job: it may `ctl status` and `ctl trace` it (into a directory of its own) without being in
+    control_group. uid 65533 is refused on that run with the very words it gets for a run that does not exist."""
+    daemon = _open_daemon(shared)
+    traces = shared / "job-user-traces"
+    traces.mkdir()
+    os.chown(traces, OTHER_UID, OTHER_UID)
+    job = _job_as(OTHER_UID, daemon.socket_path, "nobody-job")
+    socket_arg = ("--socket", str(daemon.socket_path))
+    try:
+        def connected() -> bool:
+            assert (0, 0) == os.waitpid(job, os.WNOHANG), "the job died"
+            return any(run.run == "nobody-job" and run.ranks for run in request_status(daemon.socket_path).runs)
+
+        wait_for(connected, timeout=60)
+        status = _ctl_as(OTHER_UID, "status", "--run", "nobody-job", *socket_arg)
+        trace = _ctl_as(OTHER_UID, "trace", "--run", "nobody-job", "--steps", "2", "--out", str(traces),
+                        "--timeout", "60", *socket_arg)
+        on_theirs = _ctl_as(OTHER_UID - 1, "status", "--run", "nobody-job", *socket_arg)
+        on_none = _ctl_as(OTHER_UID - 1, "status", "--run", "no-such-run", *socket_arg)
+    finally:
+        os.kill(job, signal.SIGKILL)
+        os.waitpid(job, 0)
+        daemon.stop()
+    assert (0, True) == (status[0], status[1].startswith("rank   0  ok")), status
+    assert (0, True, 1) == (trace[0], "trace written" in trace[1], len(list(traces.iterdir()))), trace
+    refusal = ("torchpulse: refused: uid 65533 may not send commands to this run (allowed: root, the daemon's user "
+               "or the user whose job reports the run)\n")
+    assert [(1, "", refusal)] * 2 == [on_theirs, on_none]
+
+
+def test_a_run_is_its_users_only_while_every_rank_remembered_is_theirs() -> None:
+    """uid 4242 may command a run whose ranks all came from its processes; not one with a rank whose sender is
+    unknown (no SO_PEERCRED), nor one where a disconnected rank still remembered came from another user."""
+    registry = Registry()
+    mine = Peer(pid=1, uid=4242, gid=4242)
+    registry.connect(_hello("mine", 0), mine)
+    registry.connect(_hello("mine", 1), mine)
+    registry.connect(_hello("unknown", 0), mine)
+    registry.connect(_hello("unknown", 1), None)
+    run, gone = registry.connect(_hello("remembered", 0), Peer(pid=2, uid=4243, gid=4243))
+    registry.disconnect(run, gone, gone.connection)
+    registry.connect(_hello("remembered", 1), mine)
+    hub = ControlHub(registry, lambda: "")
+
+    def answer(run: str) -> str:
+        try:
+            reply = asyncio.run(hub.handle(CtlRequest(run, [], "status", {}, 0.1), mine))
+        except NotAuthorized:
+            return "refused"
+        return f"ok: {reply.run}"
+
+    assert ["ok: mine", "refused", "refused"] == [answer(run) for run in ("mine", "unknown", "remembered")]
 
 
 def _command_sent(frame: bytes) -> Command:

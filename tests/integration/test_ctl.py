@@ -139,8 +139,8 @@ def test_a_caller_outside_the_allowed_users_is_refused() -> None:
     try:
         daemon.socket_path.chmod(0o666)
         code, stderr = _ctl_as_user(65534, ["ctl", "status", "--run", "any", "--socket", str(daemon.socket_path)])
-        assert (1, "torchpulse: refused: uid 65534 may not send commands (allowed: root, the daemon's user)\n") == (
-            code, stderr)
+        assert (1, "torchpulse: refused: uid 65534 may not send commands to this run (allowed: root, the daemon's "
+                "user or the user whose job reports the run)\n") == (code, stderr)
         wait_for(lambda: any(e.get("event") == "command refused" and e.get("uid") == 65534
                              for e in daemon.log_lines()))
     finally:

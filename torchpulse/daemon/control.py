@@ -1,12 +1,16 @@
 """`torchpulse ctl`: route a command to ranks of a run and gather their answers.
 
-Who may send: root, the daemon's own user, or members of `control_group`
+Who may send: root, the daemon's own user and members of `control_group`
 (checked with SO_PEERCRED and SO_PEERGROUPS, /proc where the kernel has no
-SO_PEERGROUPS). Every command is logged with who sent it. A trace command
-carries the sender's uid to the agent, which lets another user than the job's
-(not root) trace only into a directory that user owns or a shared sticky one
-(`trace_capture`). A rank that does not answer within the timeout is reported
-as such; the others are not held back by it.
+SO_PEERGROUPS), to any run; anyone else only to a run of their own, one whose
+every rank (connected or remembered) was reported by processes of their uid,
+so that users of a shared node can trace their own jobs. Another user's run
+and a run that does not exist get the same refusal: it does not tell whether
+someone else runs a job of that name. Every command is logged with who sent
+it. A trace command carries the sender's uid to the agent, which lets another
+user than the job's (not root) trace only into a directory that user owns or a
+shared sticky one (`trace_capture`). A rank that does not answer within the
+timeout is reported as such; the others are not held back by it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Final
 import structlog
 
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
-from torchpulse.daemon.registry import Peer, RankState, Registry
+from torchpulse.daemon.registry import Peer, RankState, Registry, RunState
 from torchpulse.protocol import (
     CALLER_UID_ARG,
     MAX_COMMAND_TIMEOUT,
@@ -73,11 +77,19 @@ def peer_groups(peer: Peer) -> set[int]:
     return groups
 
 
-def authorize(peer: Peer | None, control_group: str) -> Peer:
-    """The caller, when it may send commands; NotAuthorized otherwise."""
+def owns_run(run: RunState | None, uid: int) -> bool:
+    """Whether every rank of `run`, connected or remembered, was reported by processes of `uid`."""
+    if run is None or not run.ranks:
+        return False
+    return all(state.peer is not None and state.peer.uid == uid for state in run.ranks.values())
+
+
+def authorize(peer: Peer | None, control_group: str, run: RunState | None) -> Peer:
+    """The caller, when it may send commands to `run` (None: no such run); NotAuthorized otherwise."""
     if peer is None:
         raise NotAuthorized("cannot identify the caller (no SO_PEERCRED)")
-    if peer.uid in (0, os.geteuid()):
+    # Ownership first: it needs no group lookup, which may ask a directory service.
+    if owns_run(run, peer.uid) or peer.uid in (0, os.geteuid()):
         return peer
     if control_group:
         try:
@@ -86,8 +98,12 @@ def authorize(peer: Peer | None, control_group: str) -> Peer:
             gid = None
         if gid is not None and gid in peer_groups(peer):
             return peer
-    allowed = "root, the daemon's user" + (f" or members of group {control_group!r}" if control_group else "")
-    raise NotAuthorized(f"uid {peer.uid} may not send commands (allowed: {allowed})")
+    group = f", members of group {control_group!r}" if control_group else ""
+    # The same words whether the run is another user's or does not exist.
+    raise NotAuthorized(
+        f"uid {peer.uid} may not send commands to this run (allowed: root, the daemon's user{group} "
+        "or the user whose job reports the run)"
+    )
 
 
 MAX_STEP: Final = 2**53
@@ -142,12 +158,12 @@ class ControlHub:
 
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
-        caller = authorize(peer, self.control_group())
+        run = self.registry.runs.get(request.run)
+        caller = authorize(peer, self.control_group(), run)
         # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
         command, run_name = cut(request.name, MAX_NAME_CHARS), cut(request.run, MAX_NAME_CHARS)
         log.info("command received", command=command, run=run_name, ranks=_logged_ranks(request.ranks),
                  args=bounded_fields(request.args), **who)
-        run = self.registry.runs.get(request.run)
         if run is None:
             return CtlReply(request.run, request.name, [])
         # Once per rank: the same rank twice would get a trace command twice, and refuse the second.
@@ -158,6 +174,8 @@ class ControlHub:
             args[CALLER_UID_ARG] = caller.uid
             if "start_step" not in args:
                 args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
+                # While it was planned, the run may have ended and another user's job taken its ranks.
+                authorize(caller, self.control_group(), run)
         # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
         timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
         results = await asyncio.gather(*(
