@@ -37,7 +37,19 @@ def default_socket_path(env: Mapping[str, str] | None = None, uid: int | None = 
     runtime = env.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / "torchpulse" / "agent.sock"
+    return _tmp_socket_path(uid)
+
+
+def _tmp_socket_path(uid: int) -> Path:
     return Path(f"/tmp/torchpulse-{uid}") / "agent.sock"
+
+
+def user_socket_paths(env: Mapping[str, str] | None = None, uid: int | None = None) -> tuple[Path, ...]:
+    """Where a daemon of user `uid` listens by default: under the runtime dir, or in /tmp without one."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return ()
+    return tuple(dict.fromkeys((default_socket_path(env, uid), _tmp_socket_path(uid))))
 
 
 def agent_socket_path(env: Mapping[str, str] | None = None, uid: int | None = None,

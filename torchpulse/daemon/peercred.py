@@ -6,11 +6,10 @@ import array
 import ctypes
 import errno
 import socket
-import struct
 
 from torchpulse.daemon.registry import Peer
+from torchpulse.peer import peer_credentials
 
-_UCRED = struct.Struct("3i")
 # Not exported by Python's socket module; Linux >= 4.13.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 # CPython's getsockopt() refuses a buffer over 1024 bytes ("buflen out of range"): 256 groups.
@@ -48,13 +47,9 @@ def _groups(sock: socket.socket) -> frozenset[int] | None:
 
 
 def peer_of(sock: socket.socket | None) -> Peer | None:
-    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+    if sock is None or (credentials := peer_credentials(sock)) is None:
         return None
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    except OSError:
-        return None
-    pid, uid, gid = _UCRED.unpack(raw)
     groups = _groups(sock)
     # Known groups always include the primary one, so an empty set means "unknown" to `peer_groups`.
-    return Peer(pid=pid, uid=uid, gid=gid, groups=frozenset() if groups is None else groups | {gid})
+    known = frozenset() if groups is None else groups | {credentials.gid}
+    return Peer(pid=credentials.pid, uid=credentials.uid, gid=credentials.gid, groups=known)

@@ -3,6 +3,9 @@
 The training threads never touch the socket. When the daemon is absent or
 slow, the cumulative state simply waits (it is keyed, so it does not grow)
 and discrete events are dropped and counted once their bounded queue fills.
+
+Before its hello the agent checks who listens (SO_PEERCRED, see `torchpulse.peer`): a
+socket path another user got hold of does not receive the job's metrics nor send it commands.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torchpulse
 from torchpulse.framing import FrameReader
 from torchpulse.paths import socket_path_too_long
+from torchpulse.peer import daemon_uids, peer_credentials
 from torchpulse.probes.logs import get_logger
 from torchpulse.protocol import (
     Batch,
@@ -227,6 +232,10 @@ class Sender(threading.Thread):
         hello = self._hello()
         try:
             sock.connect(path)
+            if not self._trusted_daemon(sock, path):
+                sock.close()
+                self._schedule_retry(path, None)
+                return
             sock.sendall(encode(hello), SEND_FLAGS)
             reply = self._read_reply(sock)
         except (OSError, FrameError) as exc:
@@ -252,6 +261,28 @@ class Sender(threading.Thread):
         self._warned_unreachable = False
         self._refusals_warned.clear()
         self.connected_once = True
+
+    def _trusted_daemon(self, sock: socket.socket, path: str) -> bool:
+        """Whether the listener is a daemon the job may talk to; checked before the hello, which
+        names the job, and before any command (a trace writes files as the job's user) can arrive."""
+        credentials = peer_credentials(sock)
+        trusted = daemon_uids(Path(path))
+        if credentials is not None and credentials.uid in trusted:
+            return True
+        uid = None if credentials is None else credentials.uid
+        refusal = f"untrusted daemon uid {uid} on {path}"
+        if refusal not in self._refusals_warned:  # once per listener until connected: it retries for ever
+            self._refusals_warned.add(refusal)
+            log.warning(
+                "not connecting: another user listens on the daemon's socket; training continues without "
+                "metrics and the agent retries",
+                socket=path,
+                uid="unknown (no SO_PEERCRED)" if uid is None else uid,
+                trusted=sorted(trusted),
+                fix="start your own daemon, or set TORCHPULSE_SOCKET to a socket in a directory of the "
+                "user whose daemon you mean",
+            )
+        return False
 
     def _read_reply(self, sock: socket.socket) -> Welcome | ErrorReply:
         deadline = time.monotonic() + self.config.connect_timeout
