@@ -65,6 +65,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     agent_version: str
     command: str
     started_at: float  # when the agent's process loaded torchpulse: the same in every hello of it
+    # Finite upper bounds of each histogram family, as this agent buckets it. A histogram sample
+    # carries counts, not bounds: a daemon of another version re-buckets or refuses them by these
+    # instead of labelling them with its own. Agents from before this field send none (the catalog's).
+    histogram_bounds: dict[str, tuple[float, ...]] = {}
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):

@@ -15,7 +15,7 @@ from typing import Final
 from torchpulse.catalog import autograd, checkpoints, compile, foundation
 from torchpulse.catalog.family import PREFIX, Family, Kind
 
-__all__ = ["CATALOG", "PREFIX", "Family", "Kind"]
+__all__ = ["CATALOG", "HISTOGRAM_BOUNDS", "PREFIX", "Family", "Kind"]
 
 
 def _merge(*groups: tuple[Family, ...]) -> dict[str, Family]:
@@ -31,3 +31,8 @@ def _merge(*groups: tuple[Family, ...]) -> dict[str, Family]:
 CATALOG: Final[dict[str, Family]] = _merge(
     foundation.FAMILIES, compile.FAMILIES, autograd.FAMILIES, checkpoints.FAMILIES
 )
+# Each histogram family's bucket bounds: agents send theirs in the hello, so that a daemon of
+# another version re-buckets or refuses what they count instead of mislabelling it.
+HISTOGRAM_BOUNDS: Final[dict[str, tuple[float, ...]]] = {
+    name: family.buckets for name, family in CATALOG.items() if family.kind == "histogram"
+}

@@ -19,6 +19,7 @@ import structlog
 
 from torchpulse.bounds import TokenBucket
 from torchpulse.catalog import CATALOG
+from torchpulse.daemon.buckets import BucketPlan, Refused, plan_for, rebucket
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 log = structlog.get_logger("torchpulse.daemon")
@@ -90,6 +91,8 @@ class RankState:
     events_received: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    # Histogram families this rank's agent buckets otherwise than the daemon (its hello says how).
+    bucket_plan: BucketPlan = field(default_factory=dict)
     # Sends a frame to this rank's agent while it is connected (set by the server).
     channel: Callable[[bytes], None] | None = None
     # The server's id of the connection that owns this rank now, and how to close
@@ -139,6 +142,19 @@ def _update_step_rate(state: RankState, steps: float) -> None:
     if mark is not None and now > mark[0] and steps >= mark[1]:
         rate = (steps - mark[1]) / (now - mark[0])
         state.step_rate = rate if state.step_rate == 0 else 0.7 * state.step_rate + 0.3 * rate
+
+
+def _log_bucket_plan(hello: Hello, plan: BucketPlan) -> None:
+    """Once per hello: which of the agent's histogram families are re-bucketed, and which refused and why."""
+    refused = {name: p.why for name, p in plan.items() if isinstance(p, Refused)}
+    rebucketed = sorted(name for name, p in plan.items() if not isinstance(p, Refused))
+    fields = {"run": hello.run, "rank": hello.rank, "agent_version": hello.agent_version}
+    if rebucketed:
+        log.info("agent buckets histograms more finely than this daemon; summed into the daemon's buckets",
+                 families=rebucketed, **fields)
+    if refused:
+        log.warning("agent buckets histograms otherwise than this daemon; those histograms are refused "
+                    "(bad_buckets) until the job runs the daemon's torchpulse version", families=refused, **fields)
 
 
 class Registry:
@@ -204,6 +220,9 @@ class Registry:
             if previous is not None:
                 run.series -= previous.series
             state = run.ranks[hello.rank] = RankState(hello, peer)
+        state.bucket_plan = plan_for(hello.histogram_bounds)
+        if state.bucket_plan:
+            _log_bucket_plan(hello, state.bucket_plan)
         self.connections += 1
         return run, state
 
@@ -285,19 +304,26 @@ class Registry:
                 # make rate(_sum) / rate(_count), the mean step time, NaN or a reset. The last good one stays.
                 self.series_rejected["bad_value"] += 1
                 continue
+            counts = hist.bucket_counts
+            plan = state.bucket_plan.get(hist.family)
+            if plan is not None:
+                if isinstance(plan, Refused) or len(counts) != len(plan):
+                    self.series_rejected["bad_buckets"] += 1
+                    continue
+                counts = rebucket(counts, plan, len(CATALOG[hist.family].buckets) + 1)
             key = (hist.family, hist.labels)
             if key not in histograms:
                 if not self._admit(run, hist.family, hist.labels, histogram=True):
                     continue
                 family = CATALOG[hist.family]
-                if len(hist.bucket_counts) != len(family.buckets) + 1:
+                if len(counts) != len(family.buckets) + 1:
                     self.series_rejected["bad_buckets"] += 1
                     continue
                 run.series += 1
-            elif len(hist.bucket_counts) != len(histograms[key][0]):
+            elif len(counts) != len(histograms[key][0]):
                 self.series_rejected["bad_buckets"] += 1
                 continue
-            histograms[key] = (hist.bucket_counts, hist.total)
+            histograms[key] = (counts, hist.total)
         received = len(batch.samples) + len(batch.histograms) + len(batch.events)
         state.events_received += received
         self.events_received += received

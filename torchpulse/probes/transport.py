@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torchpulse
+from torchpulse.catalog import HISTOGRAM_BOUNDS
 from torchpulse.framing import FrameReader
 from torchpulse.paths import socket_path_too_long
 from torchpulse.peer import daemon_uids, peer_credentials
@@ -342,6 +343,7 @@ class Sender(threading.Thread):
             agent_version=torchpulse.__version__,
             command=utf8(ident.command),
             started_at=PROCESS_STARTED_AT,
+            histogram_bounds=HISTOGRAM_BOUNDS,
         )
 
     def _identity_changed(self) -> bool:
