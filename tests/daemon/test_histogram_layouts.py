@@ -90,17 +90,9 @@ def test_a_layout_of_the_same_length_is_refused_not_mislabelled() -> None:
 def test_agents_from_before_the_field_and_daemons_from_before_it_still_talk() -> None:
     """An old agent's hello decodes with no layouts (the daemon's own are assumed); an old daemon ignores them."""
 
-    class OldHello(msgspec.Struct, tag="hello", frozen=True):
-        run: str
-        rank: int
-        local_rank: int
-        world_size: int
-        pid: int
-        host: str
-        torch_version: str
-        agent_version: str
-        command: str
-        started_at: float
+    # Hello as it was: every field but the new one.
+    fields = [(f.name, f.type) for f in msgspec.structs.fields(Hello) if f.name != "histogram_bounds"]
+    OldHello = msgspec.defstruct("OldHello", fields, tag="hello", frozen=True)
 
     old = OldHello("r", 0, 0, 1, 1, "h", "2.13.0", "0.0.9", "train.py", 0.0)
     assert {} == decode_agent_frame(msgspec.msgpack.encode(old)).histogram_bounds

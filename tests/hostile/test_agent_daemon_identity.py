@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,17 +29,6 @@ LISTENER_UID = 65534  # nobody: the other user
 JOB_UID = 65533
 REFUSAL = "not connecting: another user listens on the daemon's socket"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root")
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory both users can traverse (pytest's tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="torchpulse-peer-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,17 +60,6 @@ def _as_user(call: Callable[[], bytes], uid: int = OTHER_UID, groups: list[int] 
     code, out = as_user(lambda: (0, call()), uid, groups)
     assert 0 == code, out
     return out
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory every user can traverse (pytest's tmp_path is the test user's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="torchpulse-users-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _open_daemon(shared: Path, config: str = "") -> DaemonProcess:

@@ -23,7 +23,7 @@ from torchpulse.daemon.checkpoint_service import CheckpointService
 if TYPE_CHECKING:
     from tests.watcher.test_service import FakeWorker
 
-__all__ = ["SAVE_SCRIPT", "file_modes_bind", "rewrite_a_shard", "run_ranks", "run_service", "save_single",
+__all__ = ["SAVE_SCRIPT", "file_modes_bind", "idle", "rewrite_a_shard", "run_ranks", "run_service", "save_single",
            "shut_out"]
 PR_CAPBSET_DROP = 24
 # Root passes every permission check through these two; without them, file modes bind it as any other user.
@@ -44,6 +44,15 @@ def run_service(tmp_path: Path, config: CheckpointsConfig,
             await service.close()
 
     asyncio.run(main())
+
+
+async def idle(service: CheckpointService, timeout: float = 20.0) -> None:
+    """Until the service has nothing queued nor running (after a moment for events still in flight)."""
+    await asyncio.sleep(0.1)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while service._in_flight or service._pending:
+        assert asyncio.get_running_loop().time() < deadline, "the service did not settle"
+        await asyncio.sleep(0.02)
 
 
 def file_modes_bind() -> Callable[[], None]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tests.watcher.conftest import commit_copy, rewrite_a_shard, run_service
+from tests.watcher.conftest import commit_copy, idle, rewrite_a_shard, run_service
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
 from torchpulse.protocol import CheckpointSaved
@@ -155,10 +155,6 @@ def test_an_overwrite_in_place_that_crashed_under_a_validated_metadata_turns_the
     ckpt = root / "latest"
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=1.5,
                                debounce_seconds=0.0, level="metadata")
-
-    async def idle(service: CheckpointService) -> None:
-        await asyncio.sleep(0.1)
-        await _until(lambda: not service._in_flight and not service._pending)
 
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.watcher.conftest import commit_copy, rewrite_a_shard, run_service
+from tests.watcher.conftest import commit_copy, idle, rewrite_a_shard, run_service
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon import checkpoint_runner
@@ -183,10 +183,6 @@ def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_qu
     ckpt = root / "latest"
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0,
                                debounce_seconds=0.0)
-
-    async def idle(service: CheckpointService) -> None:
-        await asyncio.sleep(0.1)
-        await _until(lambda: not service._in_flight and not service._pending)
 
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))
