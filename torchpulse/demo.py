@@ -59,6 +59,18 @@ def _wait_validated(url: str, expected: int, timeout: float = 90.0) -> None:
         time.sleep(0.5)
 
 
+# The demo's daemon gives up waiting for a half-written save after this long (30 minutes by default).
+DEMO_INCOMPLETE_AFTER_SECONDS = 2
+
+
+def _crash_an_overwrite(checkpoint: Path) -> Path:
+    """What a save into an existing checkpoint directory leaves when it dies half way: DCP rewrote a shard,
+    then the process was killed before it wrote the new `.metadata`. The old metadata now describes a mix."""
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes())
+    return shard
+
+
 def _save_failures_logged(log: Path) -> list[str]:
     """The daemon's `checkpoint save failed` events (JSON lines: its stderr is a file), one line per rank."""
     lines: list[tuple[str, str]] = []
@@ -84,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     sock, port = workdir / "agent.sock", _free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     log = workdir / "daemon.log"
+    config = workdir / "torchpulse.toml"
+    config.write_text(f"[checkpoints]\nincomplete_after_seconds = {DEMO_INCOMPLETE_AFTER_SECONDS}\n")
     print(f"== starting the daemon (socket {sock}, metrics {url})")
     with log.open("wb") as log_file:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock),
+            [sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--config", str(config),
              "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")],
             stdout=log_file, stderr=subprocess.STDOUT,
         )
@@ -122,6 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         for line in _save_failures_logged(log):
             print(f"   daemon log: {line}")
         print("\n== checkpoints, validated by the daemon (torchpulse check PATH does the same by hand)\n")
+        print(format_checkpoints(exposition))
+        latest = max(checkpoints.glob("step-*"))
+        shard = _crash_an_overwrite(latest)
+        print(f"\n== a save into {latest.name}/ that died half way (simulated: {shard.name} rewritten in place "
+              "under\n   the old .metadata, which dcp.load accepts); once the shards are quiet for "
+              f"incomplete_after_seconds\n   ({DEMO_INCOMPLETE_AFTER_SECONDS} s here, 30 min by default) the daemon "
+              "validates it again (alert: CheckpointInvalid)\n")
+        _wait_validated(url, expected=3)
+        exposition = _scrape(url)
         print(format_checkpoints(exposition))
         print("\n== torchpulse status\n")
         print(format_status(request_status(sock)))

@@ -11,7 +11,7 @@ from tests.support import REPO
 def test_demo_shows_every_probe_and_the_validated_checkpoints() -> None:
     """The demo exits 0; its tables show both torchrun ranks with every optimizer step (one skipped for
     the injected NaN), every backward pass, the non-finite pass, a recompile, both saves and the deliberate
-    failed save per rank, and valid checkpoints."""
+    failed save per rank, valid checkpoints, and the latest one invalid after a save into it died half way."""
     result = subprocess.run([sys.executable, "-m", "torchpulse.demo", "--steps", "20"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert 0 == result.returncode, result.stdout + result.stderr
@@ -24,6 +24,8 @@ def test_demo_shows_every_probe_and_the_validated_checkpoints() -> None:
     assert "DELIBERATE failing checkpoint save" in result.stdout
     assert 2 == result.stdout.count("daemon log: rank ")
     lines = result.stdout.splitlines()
-    [checkpoints] = [line.split() for line in lines if line.startswith("/") and "/checkpoints " in line]
-    assert ["valid", "2"] == checkpoints[1:3]
+    validated, after_the_crash = [line.split() for line in lines if line.startswith("/") and "/checkpoints " in line]
+    assert ["valid", "2"] == validated[1:3]
+    # The simulated save that died half way into the latest checkpoint: validated again, invalid.
+    assert (["invalid", "3"], "TP-CKPT-004") == (after_the_crash[1:3], after_the_crash[5])
     assert "== torchpulse status" in result.stdout
