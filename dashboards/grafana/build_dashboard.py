@@ -131,7 +131,8 @@ def overview() -> list[Panel]:
             "stat",
             "Runs",
             "none",
-            "Runs the daemons currently export (ended runs stay for grace_period_seconds). "
+            "Runs the daemons currently export (ended runs stay for grace_period_seconds, an hour when a "
+            "rank was lost). "
             "No run while a job trains: the job was not started with `torchpulse run`, or its "
             "agent cannot reach the socket (group torchpulse-users).",
             [q(f"count(count by (run) (torchpulse_run_info{{{RUN}}})) or vector(0)", "runs")],

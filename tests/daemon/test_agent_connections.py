@@ -401,6 +401,30 @@ def test_a_process_that_detaches_and_attaches_again_is_no_longer_exited() -> Non
     assert [0] == list(run.ranks)
 
 
+def test_a_run_that_lost_a_rank_stays_down_for_the_lost_grace_period_and_comes_back_with_its_job() -> None:
+    """A crashed job (a rank gone without goodbye) stays exported, agent_up 0, for lost_grace_period, not
+    the five minutes after which TorchpulseAgentDown would resolve as if it had recovered; a cleanly ended
+    run goes after grace_period, and first when max_runs needs room. A restart under the run name is up."""
+    registry = Registry(grace_period=300.0, lost_grace_period=3600.0, max_runs=3)
+    for name, says_goodbye in (("crashed", False), ("done", True)):
+        run, rank = registry.connect(_hello(name, 0, 1), None)
+        if says_goodbye:
+            registry.goodbye(rank)
+        registry.disconnect(run, rank, rank.connection)
+    now = time.monotonic()
+    assert (["done"], []) == registry.prune(now + 301)
+    assert ([], []) == registry.prune(now + 3599)
+    assert ["crashed"] == list(registry.runs)
+    run, rank = registry.connect(_hello("crashed", 0, 2), None)  # the job restarted: up again
+    assert (True, False) == (rank.connected, run.lost_a_rank)
+    registry.disconnect(run, rank, rank.connection)
+    for name in ("a", "b"):  # max_runs 3 reached with two more: the next new run needs room
+        registry.goodbye(registry.connect(_hello(name, 0, 3), None)[1])
+        registry.disconnect(registry.runs[name], registry.runs[name].ranks[0], 0)
+    registry.connect(_hello("new", 0, 4), None)
+    assert {"crashed", "b", "new"} == set(registry.runs), "the cleanly ended run made room, not the crashed one"
+
+
 def test_a_goodbye_gives_the_rank_up_to_another_live_process_with_the_old_series_forgotten() -> None:
     """Registry alone: the rank's connection is still open after its goodbye and its process still runs,
     yet another process's hello takes the rank over (the old connection is closed) with empty series."""

@@ -78,6 +78,7 @@ def test_a_users_own_socket_under_a_directory_another_user_controls_is_not_used(
         ({"daemon": {"listen": "localhost"}}, "listen: expected HOST:PORT"),
         ({"runs": {"series_limit_per_run": 0}}, "runs.series_limit_per_run: must be >= 1"),
         ({"runs": {"grace_period_seconds": "5m"}}, "runs.grace_period_seconds: expected a number"),
+        ({"runs": {"lost_grace_period_seconds": -1}}, "runs.lost_grace_period_seconds: must be >= 0"),
         ({"damon": {}}, "damon: unknown section"),
         # TOML has nan and inf; nan passes every `<= 0` check unless refused by name.
         ({"daemon": {"textfile_interval_seconds": float("nan")}},

@@ -59,13 +59,17 @@ class DaemonSection:
 @dataclass(frozen=True)
 class RunsSection:
     grace_period_seconds: float = 300.0
+    # A run that ended with a rank lost (no goodbye: a crash, a kill) stays longer, so that
+    # TorchpulseAgentDown keeps firing until the job comes back or someone has seen it.
+    lost_grace_period_seconds: float = 3600.0
     series_limit_per_run: int = 5000
     max_runs: int = 1000
     max_ranks_per_run: int = 1024
 
     def __post_init__(self) -> None:
-        if self.grace_period_seconds < 0:
-            raise ConfigError("runs.grace_period_seconds: must be >= 0")
+        for name in ("grace_period_seconds", "lost_grace_period_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"runs.{name}: must be >= 0")
         for name in ("series_limit_per_run", "max_runs", "max_ranks_per_run"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"runs.{name}: must be >= 1")

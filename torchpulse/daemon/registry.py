@@ -129,6 +129,11 @@ class RunState:
     series_rejected: int = 0
 
     @property
+    def lost_a_rank(self) -> bool:
+        """Whether a rank of the run disconnected without a goodbye (crashed, killed, cut off) and is still down."""
+        return any(not state.connected and not state.exited for state in self.ranks.values())
+
+    @property
     def info(self) -> Hello | None:
         return next(iter(self.ranks.values())).hello if self.ranks else None
 
@@ -159,9 +164,10 @@ def _log_bucket_plan(hello: Hello, plan: BucketPlan) -> None:
 
 class Registry:
     def __init__(self, series_limit_per_run: int = 5000, grace_period: float = 300.0, max_runs: int = 1000,
-                 max_ranks_per_run: int = 1024) -> None:
+                 max_ranks_per_run: int = 1024, lost_grace_period: float = 3600.0) -> None:
         self.series_limit_per_run = series_limit_per_run
         self.grace_period = grace_period
+        self.lost_grace_period = lost_grace_period
         # Bounds on what a local client can make the daemon hold (a run name or a
         # rank number per hello): ended runs and disconnected ranks make room first.
         self.max_runs = max_runs
@@ -227,10 +233,11 @@ class Registry:
         return run, state
 
     def _forget_oldest_ended_run(self) -> bool:
-        ended = [(run.ended_at, name) for name, run in self.runs.items() if run.ended_at is not None]
+        # Runs that ended cleanly first: forgetting one that lost a rank silently ends its down alert.
+        ended = [(run.lost_a_rank, run.ended_at, name) for name, run in self.runs.items() if run.ended_at is not None]
         if not ended:
             return False
-        _, name = min(ended)
+        *_, name = min(ended)
         del self.runs[name]
         log.info("ended run forgotten before its grace period to make room (runs.max_runs)", run=name,
                  max_runs=self.max_runs)
@@ -352,12 +359,16 @@ class Registry:
 
         A rank whose connection dropped without a goodbye (a crash, a kill, a hang
         the daemon cut off) stays until its run ends: it is what TorchpulseAgentDown
-        is about. Returns the runs and the (run, rank) pairs forgotten.
+        is about. A run that ended so stays for the longer lost grace period: forgotten
+        after five minutes, its alert would resolve as if the job had recovered. A
+        restart of the job under its run name brings its ranks up again before that.
+        Returns the runs and the (run, rank) pairs forgotten.
         """
         now = time.monotonic() if now is None else now
         expired = [
             name for name, run in self.runs.items()
-            if run.ended_at is not None and now - run.ended_at >= self.grace_period
+            if run.ended_at is not None
+            and now - run.ended_at >= (self.lost_grace_period if run.lost_a_rank else self.grace_period)
         ]
         for name in expired:
             del self.runs[name]

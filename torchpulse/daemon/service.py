@@ -55,7 +55,7 @@ class Daemon:
     def __post_init__(self) -> None:
         runs = self.config.runs
         self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds, runs.max_runs,
-                                 runs.max_ranks_per_run)
+                                 runs.max_ranks_per_run, runs.lost_grace_period_seconds)
         self.checkpoints = CheckpointService(checkpoint_config.from_config(self.config), self.config.daemon.state_dir)
         if self.checkpoint_summary is _no_checkpoint_summary:
             self.checkpoint_summary = self.checkpoints.summary
@@ -201,6 +201,7 @@ class Daemon:
             log.warning("these keys need a restart to take effect", keys=changed)
         self.registry.series_limit_per_run = new.runs.series_limit_per_run
         self.registry.grace_period = new.runs.grace_period_seconds
+        self.registry.lost_grace_period = new.runs.lost_grace_period_seconds
         self.registry.max_runs = new.runs.max_runs
         self.registry.max_ranks_per_run = new.runs.max_ranks_per_run
         self.checkpoints.apply_config(checkpoints)
