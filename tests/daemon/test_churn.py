@@ -47,7 +47,7 @@ def _series(daemon: DaemonProcess) -> int:
 @pytest.fixture
 def short_grace(tmp_path: Path) -> Iterator[DaemonProcess]:
     config = tmp_path / "tp.toml"
-    config.write_text("[runs]\ngrace_period_seconds = 1\n")
+    config.write_text("[runs]\ngrace_period_seconds = 1\nlost_grace_period_seconds = 1\n")
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
     yield daemon
     daemon.stop()
