@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -78,6 +79,43 @@ def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
         assert (closures, 3.0, 0.0, 0.0) == (
             passes(agent, "backward"), value(agent, "optimizer_steps_total", "LBFGS#0"),
             value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
+
+
+def step_seconds(agent: Any, label: str) -> tuple[int, float]:
+    """Steps timed and their total seconds, as the optimizer probe recorded them."""
+    agent.drain()
+    histogram = agent.store._histograms[("optimizer_step_duration_seconds", (label,))]
+    return sum(histogram.counts), histogram.total
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["lbfgs-positional", "lightning-keyword"])
+def test_a_steps_time_leaves_out_the_closure_it_runs(keyword: bool) -> None:
+    """LBFGS evaluates its closure several times per step; Lightning passes every training step as
+    `step(closure=...)`. The forward and backward passes inside are not optimizer time: a closure that
+    sleeps 30 ms per call leaves the step's time well under one call's, and the step gets its loss."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = mlp()
+        optimizer: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if keyword
+                                            else torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        calls = 0
+
+        def closure() -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            time.sleep(0.03)
+            return loss
+
+        losses = [optimizer.step(closure=closure) if keyword else optimizer.step(closure)  # type: ignore[no-untyped-call]
+                  for _ in range(3)]
+        assert all(isinstance(loss, torch.Tensor) for loss in losses)
+        steps, seconds = step_seconds(agent, f"{type(optimizer).__name__}#0")
+        assert calls >= 3 and steps == 3
+        assert seconds < 0.03, f"{calls} closure calls of 30 ms, yet the steps took {seconds:.3f} s"
 
 
 def test_lbfgs_nonfinite_closure_passes_are_counted_like_any_other() -> None:

@@ -17,7 +17,8 @@ FAMILIES: Final[tuple[Family, ...]] = (
     Family("optimizer_step_errors_total", "counter",
            "optimizer.step() calls that raised (the pre-hook ran, the post-hook did not).", ("optimizer",)),
     Family("optimizer_step_duration_seconds", "histogram",
-           "Wall time of optimizer.step() on the host (on CUDA: launch time, not kernel time).",
+           "Wall time of optimizer.step() on the host, without the closure it runs (on CUDA: launch time, "
+           "not kernel time).",
            ("optimizer",), STEP_BUCKETS),
     Family("optimizer_learning_rate", "gauge", "Learning rate that the last step of each param group used.",
            ("optimizer", "param_group")),

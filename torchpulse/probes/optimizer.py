@@ -5,6 +5,11 @@ optimizer in the process is seen without touching training code. The hooks
 only take a timestamp and queue a record; sizes are measured on the training
 thread (where `optimizer.state` is safe to iterate) every N steps, when the
 state gains entries or param groups are added, and after `load_state_dict`.
+
+A step's time excludes the closure it runs: `step(closure)` evaluates the
+model inside the step (LBFGS, several times; Lightning's automatic
+optimization passes every training step as the closure), and the forward
+and backward passes would otherwise read as optimizer time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -62,12 +68,39 @@ def _inside_step_of(optimizer: Optimizer, wrapper: FrameType) -> bool:
     return False
 
 
+def _with_timed_closure(args: Any, kwargs: Any, tracked: _Tracked) -> tuple[Any, Any] | None:
+    """The step's arguments with its closure (`step(closure)`, `step(closure=...)`) timed into
+    `tracked.in_closure`; None when it has none, so that the step runs with what it was given.
+
+    torch's step wrapper hands the hooks its own arguments: `args[0]` is the optimizer.
+    """
+    if kwargs and callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": _timed(kwargs["closure"], tracked)}
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _timed(args[1], tracked), *args[2:]), kwargs
+    return None
+
+
+def _timed(closure: Callable[..., Any], tracked: _Tracked) -> Callable[..., Any]:
+    # Not functools.wraps: it would copy a callable object's __dict__ (Lightning's Closure) onto the wrapper.
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            tracked.in_closure += time.perf_counter() - began
+
+    return timed
+
+
 class _Tracked:
-    __slots__ = ("__weakref__", "groups", "label", "nested", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "groups", "in_closure", "label", "nested", "rescan", "started", "state_len", "steps")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.started: float | None = None
+        # Seconds the current step spent in the closure it was given.
+        self.in_closure = 0.0
         # A subclass whose step() calls super().step() runs torch's hooked
         # wrapper twice: inner runs are counted here, not as steps.
         self.nested = 0
@@ -185,17 +218,20 @@ class OptimizerProbe(Probe):
             self._load_hooks.handles[optimizer] = register(_loaded)
         return tracked
 
-    def _before_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
         if tracked.started is not None:
             frame = _step_wrapper_frame()
             if frame is not None and _inside_step_of(optimizer, frame):
                 tracked.nested += 1
-                return
+                return None  # the outer step already times its closure
             # The previous step raised: its post-hook never ran.
             self.agent.record(self._on_error, tracked.label)
         tracked.nested = 0
+        tracked.in_closure = 0.0
+        replaced = _with_timed_closure(args, kwargs, tracked)
         tracked.started = time.perf_counter()
+        return replaced
 
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
         end = time.perf_counter()
@@ -205,7 +241,7 @@ class OptimizerProbe(Probe):
         if tracked.nested:
             tracked.nested -= 1
             return
-        duration = end - tracked.started
+        duration = max(0.0, end - tracked.started - tracked.in_closure)
         tracked.started = None
         tracked.steps += 1
         sizes: Sizes | None = None
