@@ -55,6 +55,23 @@ def lbfgs_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def counted_closure(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    sleep: float = 0.0) -> tuple[Callable[[], torch.Tensor], list[float]]:
+    """A training step as a closure (zero_grad, forward, MSE loss, backward) and the list its calls append to."""
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    calls: list[float] = []
+
+    def closure() -> torch.Tensor:
+        calls.append(time.perf_counter())
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        time.sleep(sleep)
+        return loss
+
+    return closure, calls
+
+
 def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
     """LBFGS runs the closure (forward + backward) several times inside one step(): each is a
     backward pass, each step() one optimizer step, and a clean run reports no non-finite pass."""
@@ -62,19 +79,10 @@ def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
     with training_agent() as agent:
         model = mlp()
         optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
-        x, y = torch.randn(16, 4), torch.randn(16, 1)
-        closures = 0
-
-        def closure() -> torch.Tensor:
-            nonlocal closures
-            closures += 1
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
+        closure, calls = counted_closure(model, optimizer)
         for _ in range(3):
             optimizer.step(closure)  # type: ignore[no-untyped-call]
+        closures = len(calls)
         assert closures > 3  # several passes per step, else this test shows nothing
         assert (closures, 3.0, 0.0, 0.0) == (
             passes(agent, "backward"), value(agent, "optimizer_steps_total", "LBFGS#0"),
@@ -98,24 +106,13 @@ def test_a_steps_time_leaves_out_the_closure_it_runs(keyword: bool) -> None:
         model = mlp()
         optimizer: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if keyword
                                             else torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
-        x, y = torch.randn(16, 4), torch.randn(16, 1)
-        calls = 0
-
-        def closure() -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            time.sleep(0.03)
-            return loss
-
+        closure, calls = counted_closure(model, optimizer, sleep=0.03)
         losses = [optimizer.step(closure=closure) if keyword else optimizer.step(closure)  # type: ignore[no-untyped-call]
                   for _ in range(3)]
         assert all(isinstance(loss, torch.Tensor) for loss in losses)
         steps, seconds = step_seconds(agent, f"{type(optimizer).__name__}#0")
-        assert calls >= 3 and steps == 3
-        assert seconds < 0.03, f"{calls} closure calls of 30 ms, yet the steps took {seconds:.3f} s"
+        assert len(calls) >= 3 and steps == 3
+        assert seconds < 0.03, f"{len(calls)} closure calls of 30 ms, yet the steps took {seconds:.3f} s"
 
 
 def test_lbfgs_nonfinite_closure_passes_are_counted_like_any_other() -> None:
