@@ -79,9 +79,7 @@ def peer_groups(peer: Peer) -> set[int]:
 
 def owns_run(run: RunState | None, uid: int) -> bool:
     """Whether every rank of `run`, connected or remembered, was reported by processes of `uid`."""
-    if run is None or not run.ranks:
-        return False
-    return all(state.peer is not None and state.peer.uid == uid for state in run.ranks.values())
+    return run is not None and run.reporting_uids == {uid}
 
 
 def authorize(peer: Peer | None, control_group: str, run: RunState | None) -> Peer:

@@ -129,6 +129,15 @@ class RunState:
     series_rejected: int = 0
 
     @property
+    def reporting_uids(self) -> set[int | None]:
+        """The uids whose processes report the run's ranks, connected or remembered (None: unknown).
+
+        A run belongs to its user: the server refuses another user's hello for it, and `ctl`
+        lets that user command it.
+        """
+        return {state.peer.uid if state.peer is not None else None for state in self.ranks.values()}
+
+    @property
     def lost_a_rank(self) -> bool:
         """Whether a rank of the run disconnected without a goodbye (crashed, killed, cut off) and is still down."""
         return any(not state.connected and not state.exited for state in self.ranks.values())

@@ -355,8 +355,7 @@ def _refuse_another_users_run(run: RunState | None, hello: Hello, peer: Peer | N
     if run is None:
         return
     uid = peer.uid if peer is not None else None
-    owner = next((state.peer.uid for state in run.ranks.values()
-                  if state.peer is not None and state.peer.uid != uid), None)
+    owner = min((other for other in run.reporting_uids if other is not None and other != uid), default=None)
     if owner is not None:
         raise FrameError("run_owned", f"run {hello.run!r} is reported by another user (uid {owner}) on this "
                          "node; give this job another run name (TORCHPULSE_RUN, --run-name); retrying")
