@@ -63,7 +63,7 @@ def _wait_validated(url: str, expected: int, timeout: float = 90.0) -> None:
 DEMO_INCOMPLETE_AFTER_SECONDS = 2
 
 
-def _crash_an_overwrite(checkpoint: Path) -> Path:
+def crash_an_overwrite(checkpoint: Path) -> Path:
     """What a save into an existing checkpoint directory leaves when it dies half way: DCP rewrote a shard,
     then the process was killed before it wrote the new `.metadata`. The old metadata now describes a mix."""
     shard = sorted(checkpoint.glob("*.distcp"))[0]
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== checkpoints, validated by the daemon (torchpulse check PATH does the same by hand)\n")
         print(format_checkpoints(exposition))
         latest = max(checkpoints.glob("step-*"))
-        shard = _crash_an_overwrite(latest)
+        shard = crash_an_overwrite(latest)
         print(f"\n== a save into {latest.name}/ that died half way (simulated: {shard.name} rewritten in place "
               "under\n   the old .metadata, which dcp.load accepts); once the shards are quiet for "
               f"incomplete_after_seconds\n   ({DEMO_INCOMPLETE_AFTER_SECONDS} s here, 30 min by default) the daemon "

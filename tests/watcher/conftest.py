@@ -19,6 +19,7 @@ from tests.support import DaemonProcess
 from torchpulse.daemon import checkpoint_runner
 from torchpulse.daemon.checkpoint_config import CheckpointsConfig
 from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.demo import crash_an_overwrite
 
 if TYPE_CHECKING:
     from tests.watcher.test_service import FakeWorker
@@ -116,8 +117,7 @@ def commit_copy(source: Path, target: Path) -> None:
 def rewrite_a_shard(checkpoint: Path) -> Path:
     """Write one `.distcp` file again under the old `.metadata`, as a DCP overwrite in place that crashed before
     its commit leaves it (the same bytes: what the metadata says about them stays true, only time tells)."""
-    shard = sorted(checkpoint.glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes())
+    shard = crash_an_overwrite(checkpoint)
     assert shard.stat().st_mtime_ns > (checkpoint / ".metadata").stat().st_mtime_ns
     return shard
 
