@@ -11,6 +11,10 @@ Whoever sets the level later (`torch._logging.set_logs`, the user, dictConfig)
 sets the baseline: the tap answers that logger's `setLevel`, because the level's
 value alone cannot tell, when it equals the tap's own, whose it is now.
 `refresh()` catches what bypasses `setLevel` (an assignment to `.level`).
+A logger that a logging configuration disabled (`dictConfig`/`fileConfig` with
+`disable_existing_loggers`, their default, disable every logger that exists, torch's
+included) drops records before any filter: the tap re-enables it with a falsy
+non-bool marker and refuses every record, until a configuration writes `disabled` again.
 Known gap: `logging.disable(level)` still hides records from the tap.
 """
 
@@ -23,6 +27,10 @@ from collections.abc import Callable
 from typing import Final
 
 Sink = Callable[[logging.LogRecord], None]
+# What the tap writes to `logger.disabled` of a logger others disabled: falsy, so logging passes records
+# to the filters, and no bool, so a configuration that enables or disables the logger later (it writes
+# True or False) tells from it.
+_ENABLED_BY_TAP: Final = 0
 
 _lock: Final = threading.Lock()
 _taps: dict[str, _LoggerTap] = {}
@@ -35,6 +43,7 @@ class _LoggerTap(logging.Filter):
         self.sinks: dict[int, tuple[int, Sink]] = {}
         self._baseline = logger.level  # the level the logger has without us
         self._applied: int | None = None  # the level we set, None when we set nothing
+        self._undisabled = False  # the logger is disabled for everyone else; only the tap enabled it
         self._set_level = self._set_by_others  # one bound method, so that detach() recognises it
 
     def attach(self) -> None:
@@ -60,10 +69,19 @@ class _LoggerTap(logging.Filter):
         logging.Logger.setLevel(self.logger, level)
 
     # -- level bookkeeping (under _lock) -------------------------------------
+    def _sync_disabled(self) -> None:
+        state = self.logger.disabled
+        if _by_tap(state):
+            return
+        self._undisabled = bool(state)
+        if self._undisabled:
+            self.logger.disabled = _ENABLED_BY_TAP  # type: ignore[assignment]
+
     def _needed(self) -> int:
         return min((level for level, _sink in self.sinks.values()), default=logging.CRITICAL)
 
     def apply(self) -> None:
+        self._sync_disabled()
         if self._applied is not None and self.logger.level != self._applied:
             # Someone else set a level after us: theirs is the new baseline.
             self._baseline = self.logger.level
@@ -84,6 +102,9 @@ class _LoggerTap(logging.Filter):
         if self._applied is not None and self.logger.level == self._applied:
             self._write(self._baseline)
         self._applied = None
+        if self._undisabled and _by_tap(self.logger.disabled):
+            self.logger.disabled = True
+        self._undisabled = False
 
     def _baseline_effective(self) -> int:
         if self._baseline != logging.NOTSET:
@@ -93,6 +114,10 @@ class _LoggerTap(logging.Filter):
 
     # -- per record ----------------------------------------------------------
     def hides(self, record: logging.LogRecord) -> bool:
+        if self._undisabled:
+            if _by_tap(self.logger.disabled):
+                return True
+            self._undisabled = False  # a configuration enabled the logger since: its level decides again
         return self._applied is not None and record.levelno < self._baseline_effective()
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -102,6 +127,11 @@ class _LoggerTap(logging.Filter):
                 with contextlib.suppress(Exception):
                     sink(record)
         return not self.hides(record)
+
+
+def _by_tap(disabled: object) -> bool:
+    """Whether a `logger.disabled` value is the tap's marker (logging itself only tests truthiness)."""
+    return type(disabled) is int and disabled == _ENABLED_BY_TAP
 
 
 class LogTap:
@@ -121,7 +151,8 @@ class LogTap:
     def refresh(self) -> None:
         """Re-assert the level if another party changed it (cheap when nothing changed)."""
         tap = self._tap
-        if tap is not None and tap._applied is not None and tap.logger.level == tap._applied:
+        if (tap is not None and tap._applied is not None and tap.logger.level == tap._applied
+                and not tap.logger.disabled):
             return
         if tap is not None:
             with _lock:
