@@ -39,10 +39,13 @@ from torchpulse.probes.autograd_nodes import (
 )
 from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
 from torchpulse.probes.base import Probe
+from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
+
+log = get_logger("torchpulse.probes")
 
 # Passes between parameter discoveries when node timing is switched off.
 DISCOVER_EVERY = 100
@@ -180,6 +183,9 @@ class AutogradProbe(Probe):
             tf.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper))
         if self.config.nonfinite:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            for feature in tf.missing("dispatch_modes_aside"):
+                log.warning("autograd probe runs without a torch feature", feature=feature.name, reason=feature.reason)
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
         self._start_counters_at_zero()

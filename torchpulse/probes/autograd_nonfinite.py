@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from torchpulse.probes import torch_features as tf
+
 ParamRef = weakref.ReferenceType[torch.Tensor]
 
 
@@ -113,13 +115,18 @@ class GradCheck:
             # the unsharded parameter but keeps its gradient, the only copy of this rank's NaN.
             if grad.untyped_storage().size() == 0:
                 continue
+            # Meta tensors have no data: a job that counts its FLOPs or plans memory on the meta device
+            # runs real passes on them, and reading one back would switch the probe off for the whole job.
+            if grad.is_meta:
+                continue
             refs, grads = groups.setdefault((grad.device, grad.dtype), ([], []))
             refs.append(ref)
             grads.append(grad)
         if len(alive) != len(self._refs):
             self._refs = alive
             self._known = alive_ids
-        with torch.no_grad():
+        # The job's dispatch modes (FlopCounterMode, DebugMode, a memory tracker) must record its ops only.
+        with torch.no_grad(), tf.dispatch_modes_aside():
             for (device, dtype), (refs, grads) in groups.items():
                 self._enqueue(_launch_group(pass_index, kind, device, dtype, refs, grads))
 
@@ -132,9 +139,12 @@ class GradCheck:
     def poll(self) -> list[CheckResult]:
         """Checks whose results reached the host, oldest first; never waits."""
         results: list[CheckResult] = []
+        if not self._pending:
+            return results
         try:
-            while self._pending[0].ready():
-                results.append(_read(self._pending.popleft()))
+            with tf.dispatch_modes_aside():
+                while self._pending[0].ready():
+                    results.append(_read(self._pending.popleft()))
         except IndexError:
             pass  # empty, or another thread's pass (two backward threads) took the last one
         return results

@@ -1,4 +1,5 @@
-"""Every version-dependent fact the compile and CUDA-graph probes rely on, in one place.
+"""Every version-dependent fact the compile and CUDA-graph probes rely on, in one place (and the
+autograd probe's one private helper).
 
 The probes read torch's private surfaces (loggers, counters, callbacks, the
 CUDA-graph tree manager). Each is detected at run time and recorded in
@@ -10,6 +11,7 @@ them); the notes say where behaviour changed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -17,6 +19,7 @@ import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple
@@ -181,6 +184,12 @@ def _memory_snapshot() -> bool:
     return callable(getattr(torch.cuda, "memory_snapshot", None))
 
 
+def _dispatch_modes_aside() -> bool:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return callable(getattr(torch._C, "_len_torch_dispatch_stack", None)) and callable(_disable_current_modes)
+
+
 _DETECTORS: Final[dict[str, Callable[[], object]]] = {
     "compilation_metrics_log": _metrics_logged,
     "compilation_metrics_recompile_reason": _metrics_recompile_reasons,
@@ -191,6 +200,7 @@ _DETECTORS: Final[dict[str, Callable[[], object]]] = {
     "cudagraph_tree_frames": _tree_frames_present,
     "static_address_type": _static_address_type,
     "cuda_memory_snapshot": _memory_snapshot,
+    "dispatch_modes_aside": _dispatch_modes_aside,
 }
 FEATURES: dict[str, Feature] = {}
 
@@ -256,6 +266,16 @@ def metrics_logging_enabled() -> bool:
     import torch._dynamo.config
 
     return bool(getattr(torch._dynamo.config, "log_compilation_metrics", True))
+
+
+def dispatch_modes_aside() -> AbstractContextManager[object]:
+    """The job's Python dispatch modes (FlopCounterMode, DebugMode, a memory tracker) set aside, so that
+    they record the job's ops only; without the feature, nothing is set aside (the modes then see ours)."""
+    if not has("dispatch_modes_aside") or torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def compilation_metrics_of(args: object) -> Any | None:
