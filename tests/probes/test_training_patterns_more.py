@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any
 
@@ -78,3 +79,28 @@ def test_the_jobs_dispatch_mode_sees_only_its_own_ops() -> None:
     assert ops == attached_ops
     assert all(torch.equal(a, b) for a, b in zip(weights, attached_weights, strict=True))
 
+
+def test_a_step_that_raised_is_counted_when_the_job_drops_its_optimizer() -> None:
+    """A step that raises (out of memory in its closure) and a job that falls back to a new optimizer,
+    as OOM retries do: the failed step is counted though that optimizer never steps again."""
+    torch.manual_seed(0)
+    model = mlp()
+
+    def out_of_memory() -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+    with training_agent() as agent:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        raised = 0
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            try:
+                optimizer.step(out_of_memory) if step == 0 else optimizer.step()
+            except RuntimeError:
+                raised += 1
+                del optimizer
+                gc.collect()
+                optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+            optimizer.zero_grad()
+        assert (1, 1.0, 2.0) == (raised, value(agent, "optimizer_step_errors_total", "Adam#0"),
+                                 value(agent, "optimizer_steps_total", "Adam#0"))

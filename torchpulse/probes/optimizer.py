@@ -206,6 +206,9 @@ class OptimizerProbe(Probe):
         # Once per optimizer: a step that raises later is then an increase() from 0, not a series born at 1.
         for family in ("optimizer_steps_total", "optimizer_step_errors_total"):
             self.start_at_zero(family, ((tracked.label,),))
+        # A step that raised is counted at the optimizer's next step, which never comes when the job
+        # drops it (an OOM retry or a fallback builds a new one): then it is counted when it dies.
+        weakref.finalize(optimizer, self._dropped, tracked)
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
             ref = weakref.ref(tracked)
@@ -217,6 +220,11 @@ class OptimizerProbe(Probe):
 
             self._load_hooks.handles[optimizer] = register(_loaded)
         return tracked
+
+    def _dropped(self, tracked: _Tracked) -> None:
+        if tracked.started is not None and self.enabled and self.agent.enabled:
+            tracked.started = None
+            self.agent.record(self._on_error, tracked.label)
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
