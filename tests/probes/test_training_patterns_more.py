@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.probes.autograd_support import events, passes
 from tests.probes.test_training_patterns import mlp, training_agent, value
+from tests.support import REPO, local_agent
+from torchpulse.probes.optimizer import measure
 
 
 def test_a_flop_count_on_the_meta_device_leaves_the_autograd_probe_on() -> None:
@@ -104,3 +110,104 @@ def test_a_step_that_raised_is_counted_when_the_job_drops_its_optimizer() -> Non
             optimizer.zero_grad()
         assert (1, 1.0, 2.0) == (raised, value(agent, "optimizer_step_errors_total", "Adam#0"),
                                  value(agent, "optimizer_steps_total", "Adam#0"))
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) as third-party libraries write it: a wrapper that steps its base optimizer."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        self.base, self.k, self.alpha = base, k, alpha
+        super().__init__(base.param_groups, {})
+
+    @torch.no_grad()  # type: ignore[misc]
+    def step(self, closure: Any = None) -> Any:
+        loss = self.base.step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["calls"] = state.get("calls", 0) + 1
+                slow = state.setdefault("slow", p.detach().clone())
+                if state["calls"] % self.k == 0:
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+
+def test_a_wrapping_optimizer_is_counted_once_with_the_state_of_the_one_it_wraps() -> None:
+    """Lookahead around AdamW: one optimizer series, its steps and time, and a state size that holds
+    both AdamW's moments and Lookahead's slow weights (the inner AdamW was a second series, with its state)."""
+    torch.manual_seed(0)
+    with training_agent() as agent:
+        model = mlp()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        optimizer = _Lookahead(inner)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        agent.drain()
+        labels = sorted({labels[0] for (name, labels) in agent.store._values if name == "optimizer_steps_total"})
+        expected_bytes = float(measure(inner)[2] + measure(optimizer)[2])
+        assert (["_Lookahead#0"], 3.0, expected_bytes) == (
+            labels, value(agent, "optimizer_steps_total", "_Lookahead#0"),
+            value(agent, "optimizer_state_bytes", "_Lookahead#0"))
+
+
+ZERO_JOB = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from tests.probes.test_training_patterns import mlp, training_agent
+from torchpulse.probes.optimizer import measure
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+torch.manual_seed(0)
+with training_agent() as agent:
+    model = mlp(4, 16, 4)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    agent.drain()
+    series = {f"{name}{list(labels)}": v for (name, labels), v in agent.store._values.items()
+              if name in ("optimizer_steps_total", "optimizer_state_bytes")}
+    print(json.dumps({"series": series, "local_state_bytes": measure(optimizer.optim)[2]}))
+dist.destroy_process_group()
+"""
+
+
+def test_zero_redundancy_optimizer_is_one_optimizer_holding_its_local_state(tmp_path: Path) -> None:
+    """ZeroRedundancyOptimizer on 2 gloo ranks: per rank one series with 3 steps and the state of that rank's
+    shard (the inner AdamW it steps was counted again, as a second optimizer)."""
+    store = tmp_path / "store"
+    ranks = [subprocess.Popen([sys.executable, "-c", ZERO_JOB, str(rank), str(store)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert 0 == proc.returncode, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    local = [r["local_state_bytes"] for r in results]
+    assert [{"optimizer_steps_total['ZeroRedundancyOptimizer#0']": 3.0,
+             "optimizer_state_bytes['ZeroRedundancyOptimizer#0']": float(b)} for b in local] == [
+        r["series"] for r in results]
+    assert 0 < local[0] and 0 < local[1]
+
+
+def test_cuda_graph_readiness_is_read_for_the_wrapping_optimizer_only() -> None:
+    """The CUDA-graph probe's readiness gauges name Lookahead only, not the AdamW it steps inside its step."""
+    import torch._dynamo  # the CUDA-graph probe finishes installing when the job imports Dynamo
+
+    agent: Any = local_agent(("optimizer", "cudagraphs"), optimizer_state_every=1)
+    try:
+        model = mlp()
+        optimizer = _Lookahead(torch.optim.AdamW(model.parameters(), lr=0.01))
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        agent.drain()
+        assert [("_Lookahead#0",)] == [labels for (name, labels) in agent.store._values
+                                        if name == "optimizer_nonstatic_grads"]
+    finally:
+        agent.shutdown()

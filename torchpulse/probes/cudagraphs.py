@@ -321,6 +321,9 @@ class CudaGraphProbe(Probe):
         self._checked_step(optimizer, args, kwargs)
 
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
+        optimizer_probe = self.agent.probes.get("optimizer")
+        if optimizer in getattr(optimizer_probe, "wrapped", ()):
+            return  # stepped inside a wrapper's step (ZeroRedundancyOptimizer): the wrapper is measured
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
         tracked.steps += 1
         if self._callbacks is not None:

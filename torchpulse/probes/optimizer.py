@@ -10,6 +10,11 @@ A step's time excludes the closure it runs: `step(closure)` evaluates the
 model inside the step (LBFGS, several times; Lightning's automatic
 optimization passes every training step as the closure), and the forward
 and backward passes would otherwise read as optimizer time.
+
+An optimizer stepped inside another optimizer's step on the same thread is
+wrapped by it (ZeroRedundancyOptimizer, Lookahead, SAM): the job called the
+outer one, so only the outer one is counted and timed, and the state the
+inner one keeps is counted in the outer one's state size.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -94,7 +99,8 @@ def _timed(closure: Callable[..., Any], tracked: _Tracked) -> Callable[..., Any]
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "groups", "in_closure", "label", "nested", "rescan", "started", "state_len", "steps")
+    __slots__ = ("__weakref__", "groups", "in_closure", "inner", "label", "nested", "rescan", "started", "state_len",
+                 "steps")
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -109,6 +115,8 @@ class _Tracked:
         # add_param_group: an optimizer without state (plain SGD) has no state growth to notice it by.
         self.groups = -1
         self.rescan = True
+        # Optimizers this one steps inside its own step (it wraps them): their state is its state.
+        self.inner: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 def learning_rates(param_groups: list[dict[str, Any]]) -> tuple[float | None, ...]:
@@ -144,6 +152,12 @@ def measure(optimizer: Optimizer) -> Sizes:
                     local = getattr(item, "_local_tensor", item)
                     state_bytes += local.numel() * local.element_size()
     return params, elements, state_bytes
+
+
+def measure_wrapping(optimizer: Optimizer, inner: Iterable[Optimizer]) -> Sizes:
+    """`measure` of an optimizer plus the state of the optimizers it wraps (their parameters are its own)."""
+    params, elements, state_bytes = measure(optimizer)
+    return params, elements, state_bytes + sum(measure(wrapped)[2] for wrapped in inner)
 
 
 class _PerOptimizerHooks:
@@ -187,6 +201,10 @@ class OptimizerProbe(Probe):
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
         self._labels = OptimizerLabels()
         self._load_hooks = _PerOptimizerHooks()
+        # The optimizer whose (outermost) step runs on this thread, weakly: a step that raised leaves it set.
+        self._running = threading.local()
+        # Optimizers seen stepping inside another one's step, for the CUDA-graph probe to skip as well.
+        self.wrapped: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
     def _install(self) -> None:
         self._keep(register_optimizer_step_pre_hook(self.guard(self._before_step)))
@@ -199,6 +217,7 @@ class OptimizerProbe(Probe):
         for tracked in self._tracked.values():
             tracked.started = None
             tracked.nested = 0
+        self._running = threading.local()
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
         tracked = _Tracked(self._labels.take(optimizer))
@@ -227,7 +246,10 @@ class OptimizerProbe(Probe):
             self.agent.record(self._on_error, tracked.label)
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        tracked = self._tracked.get(optimizer) or self._track(optimizer)
+        tracked = self._tracked.get(optimizer)
+        if (tracked is None or tracked.started is None) and self._wrapped_by_running(optimizer):
+            return None
+        tracked = tracked or self._track(optimizer)
         if tracked.started is not None:
             frame = _step_wrapper_frame()
             if frame is not None and _inside_step_of(optimizer, frame):
@@ -238,8 +260,27 @@ class OptimizerProbe(Probe):
         tracked.nested = 0
         tracked.in_closure = 0.0
         replaced = _with_timed_closure(args, kwargs, tracked)
+        self._running.step = weakref.ref(optimizer)
         tracked.started = time.perf_counter()
         return replaced
+
+    def _wrapped_by_running(self, optimizer: Optimizer) -> bool:
+        """Whether `optimizer` steps inside the step of another optimizer on this thread; then it is
+        remembered as that one's inner optimizer. Costs an attribute read unless a step runs."""
+        ref = getattr(self._running, "step", None)
+        outer = ref() if ref is not None else None
+        if outer is None or outer is optimizer:
+            return False
+        frame = _step_wrapper_frame()
+        outer_tracked = self._tracked.get(outer)
+        if frame is None or outer_tracked is None or not _inside_step_of(outer, frame):
+            self._running.step = None  # that step raised long ago: its post-hook never ran
+            return False
+        if optimizer not in outer_tracked.inner:
+            outer_tracked.inner.add(optimizer)
+            outer_tracked.rescan = True
+            self.wrapped.add(optimizer)
+        return True
 
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
         end = time.perf_counter()
@@ -251,14 +292,18 @@ class OptimizerProbe(Probe):
             return
         duration = max(0.0, end - tracked.started - tracked.in_closure)
         tracked.started = None
+        if getattr(self._running, "step", None) is not None and self._running.step() is optimizer:
+            self._running.step = None
         tracked.steps += 1
         sizes: Sizes | None = None
         state_len, groups = len(optimizer.state), len(optimizer.param_groups)
+        if tracked.inner:
+            state_len += sum(len(inner.state) for inner in tracked.inner)
         if (tracked.rescan or state_len != tracked.state_len or groups != tracked.groups
                 or tracked.steps % self.state_every == 0):
             tracked.rescan = False
             tracked.state_len, tracked.groups = state_len, groups
-            sizes = measure(optimizer)
+            sizes = measure_wrapping(optimizer, tracked.inner)
         self.agent.record(self._on_step, tracked.label, duration, learning_rates(optimizer.param_groups), sizes)
 
     # -- sender thread -----------------------------------------------------
