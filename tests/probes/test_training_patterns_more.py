@@ -211,3 +211,27 @@ def test_cuda_graph_readiness_is_read_for_the_wrapping_optimizer_only() -> None:
                                         if name == "optimizer_nonstatic_grads"]
     finally:
         agent.shutdown()
+
+
+def test_inputs_that_require_grad_stay_out_of_the_norm_on_every_pass() -> None:
+    """A gradient penalty (WGAN-GP) fills the interpolated input's `.grad`: the exported norm is the critic's
+    parameters' on every pass (before, each pass that searched the graph, here all of them, added the input's)."""
+    torch.manual_seed(0)
+    with training_agent(sample_every="1", grad_norm="1") as agent:
+        critic = mlp()
+        optimizer = torch.optim.SGD(critic.parameters(), lr=0.01)
+        exported, expected = [], []
+        for _ in range(3):
+            real, fake, alpha = torch.randn(8, 4), torch.randn(8, 4), torch.rand(8, 1)
+            mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            (slopes,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+            penalty = ((slopes.norm(2, dim=1) - 1) ** 2).mean()
+            (critic(fake).mean() - critic(real).mean() + 10 * penalty).backward()
+            assert mixed.grad is not None
+            norms = [torch.linalg.vector_norm(p.grad) for p in critic.parameters() if p.grad is not None]
+            expected.append(float(torch.linalg.vector_norm(torch.stack(norms))))
+            exported.append(value(agent, "grad_norm"))
+            optimizer.step()
+            optimizer.zero_grad()
+        close = [e is not None and math.isclose(e, x, rel_tol=1e-5) for e, x in zip(exported, expected, strict=True)]
+        assert [True, True, True] == close, (exported, expected)

@@ -61,6 +61,11 @@ class GradCheck:
         # id -> the reference tracking it: a dead parameter's id is soon reused (a rebuilt model's
         # parameter often gets the very address), so an id alone would skip the new parameter.
         self._known: dict[int, ParamRef] = {}
+        # Plain tensors that require grad are checked only once they outlive the pass that found them:
+        # hand-written parameters do, while inputs that require grad (a gradient penalty's interpolates,
+        # adversarial examples) die with their step, and would enter the norm on every pass that searches.
+        self._found: list[ParamRef] = []  # found during the current pass
+        self._waiting: list[ParamRef] = []  # found during an earlier pass: checked from now on if alive
         self._pending: deque[_Pending] = deque()
         self._max_pending = max_pending
         self.dropped = 0
@@ -77,12 +82,12 @@ class GradCheck:
         key = id(param)
         known = self._known.get(key)
         if known is None or known() is not param:
-            # Only parameters: inputs that require grad die every step and would make
-            # every pass a graph search.
-            lost = self._on_lost if isinstance(param, torch.nn.Parameter) else None
-            ref = weakref.ref(param, lost)
+            # Only a parameter's death starts a search: inputs that require grad die every step
+            # and would make every pass a graph search.
+            is_parameter = isinstance(param, torch.nn.Parameter)
+            ref: ParamRef = weakref.ref(param, self._on_lost if is_parameter else None)
+            (self._refs if is_parameter else self._found).append(ref)
             self._known[key] = ref
-            self._refs.append(ref)
 
     def _on_lost(self, _ref: ParamRef) -> None:
         self.lost = True
@@ -92,6 +97,13 @@ class GradCheck:
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
         alive: list[ParamRef] = []
         alive_ids: dict[int, ParamRef] = {}
+        if self._waiting:
+            self._refs.extend(self._waiting)  # the dead ones are pruned below
+        self._waiting, self._found = self._found, []
+        for ref in self._waiting:
+            waiting = ref()
+            if waiting is not None:
+                alive_ids[id(waiting)] = ref
         for ref in self._refs:
             param = ref()
             if param is None:
@@ -152,6 +164,8 @@ class GradCheck:
     def clear(self) -> None:
         self._refs = []
         self._known = {}
+        self._found = []
+        self._waiting = []
         self._pending.clear()
         self.lost = False
 
