@@ -154,12 +154,17 @@ def _overlapping_items_exact(ckpt: Checkpoint) -> list[Finding]:
 
 
 def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
-    """TP-CKPT-008: a data file no item points at is debris, often from an older save."""
+    """TP-CKPT-008: a data file no item points at is debris, often from an older save.
+
+    An empty one holds nothing: DCP's FileSystemWriter opens `__<rank>_0.distcp` on
+    every rank, so a rank left with nothing to write (all of a replicated state
+    deduplicated to rank 0, `full_state_dict` saves) leaves a 0-byte file no item names.
+    """
     referenced = {s.relative_path for s in ckpt.storage}
     return [
         warning("TP-CKPT-008", name, "data file not referenced by the metadata")
-        for name in sorted(ckpt.files)
-        if name not in referenced
+        for name, info in sorted(ckpt.files.items())
+        if name not in referenced and info.size > 0
     ]
 
 

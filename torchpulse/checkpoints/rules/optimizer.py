@@ -255,12 +255,21 @@ def state_presence(
 
 
 def mixed_precision(ckpt: Checkpoint, layout: OptimizerLayout) -> list[Finding]:
-    """TP-CKPT-018: state tensors of one optimizer in several dtypes (often intended)."""
+    """TP-CKPT-018: state tensors of one optimizer in several dtypes (often intended).
+
+    Several dtypes that the parameters themselves have are not reported: torch.optim
+    keeps each parameter's state in that parameter's dtype, so a bf16 model with fp32
+    norms (Hugging Face's `_keep_in_fp32_modules`) has bf16 and fp32 state by design.
+    """
     dtypes: dict[str, Counter[str]] = defaultdict(Counter)
+    unlike_param: set[str] = set()  # optimizers with state not in its parameter's (known) dtype
     for key, sk in layout.state.items():
         tensor = ckpt.tensors.get(key)
         if tensor is not None and sk.name != "step":
             dtypes[sk.optimizer][tensor.dtype] += 1
+            param = ckpt.tensors.get(layout.params.get(sk.param, ""))
+            if param is None or param.dtype != tensor.dtype:
+                unlike_param.add(sk.optimizer)
     return [
         warning(
             "TP-CKPT-018",
@@ -268,7 +277,7 @@ def mixed_precision(ckpt: Checkpoint, layout: OptimizerLayout) -> list[Finding]:
             "state in several dtypes: " + ", ".join(f"{n} {d}" for d, n in sorted(c.items())),
         )
         for opt, c in sorted(dtypes.items())
-        if len(c) > 1
+        if len(c) > 1 and opt in unlike_param
     ]
 
 
