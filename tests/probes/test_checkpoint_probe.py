@@ -242,10 +242,12 @@ def test_storage_writer_path_is_used_without_checkpoint_id(tmp_path: Path) -> No
 
 
 def test_a_local_fsspec_url_is_a_path_to_validate_and_a_remote_one_stays_a_url() -> None:
-    assert "/ck/step 10" == checkpoint_path({"checkpoint_id": "file:///ck/step%2010"})
-    assert "/ck/a" == checkpoint_path({"checkpoint_id": "file://localhost/ck/a/"})
+    """A `file://` URL is announced as the path fsspec writes to (what follows `file://`, not unquoted,
+    relative to the cwd unless it starts with `/`); another protocol stays a URL the daemon ignores."""
+    assert "/ck/step%2010" == checkpoint_path({"checkpoint_id": "file:///ck/step%2010"})
+    assert f"{Path.cwd()}/localhost/ck/a" == checkpoint_path({"checkpoint_id": "file://localhost/ck/a/"})
+    assert f"{Path.cwd()}/otherhost/ck" == checkpoint_path({"checkpoint_id": "file://otherhost/ck"})
     assert "s3://bucket/ck" == checkpoint_path({"checkpoint_id": "s3://bucket/ck"})
-    assert "file://otherhost/ck" == checkpoint_path({"checkpoint_id": "file://otherhost/ck"})
 
 
 def test_a_storage_writer_passed_positionally_is_announced_and_named_in_failures(agent: Any, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import structlog
 
 from torchpulse.bounds import TokenBucket
 from torchpulse.daemon.checkpoint_mounts import fs_type_of, read_mounts
+from torchpulse.daemon.checkpoint_service import normalize
 from torchpulse.daemon.logs import cut
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.registry import Peer
@@ -105,7 +106,10 @@ def announcement_refused(path: str, uid: int | None) -> str | None:
     if uid is None:
         return "the announcing process cannot be identified (no SO_PEERCRED)"
     try:
-        real = Path(path).resolve(strict=True)
+        # What the service validates and whose parent it watches: the path normalized as it does, `..` taken
+        # lexically. Resolving the path as sent instead checked another directory when a `..` followed a
+        # symlink (`mine/link/../../theirs/ck` passed as a directory of the job's user).
+        real = Path(normalize(path)).resolve(strict=True)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         return f"cannot be resolved: {getattr(exc, 'strerror', None) or exc}"
     mounts = read_mounts()

@@ -263,7 +263,7 @@ class CheckpointService:
             self._log_once(f"url {run}", "checkpoints saved to a URL are not validated", run=run,
                            path=repr(saved.path))
             return
-        path = _normalize(saved.path)
+        path = normalize(saved.path)
         problem = _unusable_root(path)
         if problem is not None:
             self._log_once(f"refused {path}", "announced checkpoint path refused; not validated", run=run,
@@ -563,7 +563,8 @@ class CheckpointService:
                 self._unsaved.pop(path, None)
 
 
-def _normalize(path: str) -> str:
+def normalize(path: str) -> str:
+    """The path the service validates and watches: `..` taken lexically, as `os.path.normpath` does."""
     path = os.path.normpath(path)
     # POSIX normpath keeps a leading "//"; to the kernel it is "/".
     return "/" + path.lstrip("/") if path.startswith("//") else path

@@ -155,8 +155,13 @@ class Probe:
     def _count_error(self) -> None:
         self.agent.store.inc("agent_probe_errors_total", (self.name,))
 
-    def guard(self, hook: F) -> F:
-        """Wrap a hook so it is skipped when disabled, never raises, and never breaks a graph."""
+    def guard(self, hook: F, *, traceable: bool = True) -> F:
+        """Wrap a hook so it is skipped when disabled, never raises, and never breaks a graph.
+
+        `traceable=False` for hooks no compiled code can call (the checkpoint probe's, around
+        a save): they skip the Dynamo layer, which imports torch._dynamo (~0.7 s) at the first
+        call, in the job's thread, and lets an import that raises (a deleted cwd) reach the job.
+        """
         agent = self.agent
 
         @functools.wraps(hook)
@@ -172,6 +177,8 @@ class Probe:
             finally:
                 _depth.value -= 1
 
+        if not traceable:
+            return guarded  # type: ignore[return-value]
         from torchpulse.probes.torch_features import disable_tracing
 
         # Dynamo must not trace into our hooks: they would break graphs or be

@@ -28,12 +28,12 @@ a remote attach) still points at torch's function, so those saves are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
 import traceback
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -58,23 +58,57 @@ SAVE_CANCELLED_EVENT: Final = "checkpoint save cancelled"
 MAX_ERROR_CHARS: Final = 64
 ERROR_LABELS: Final = 8
 MAX_MESSAGE_CHARS: Final = 500
+# fsspec's protocols for local files: DCP writes such a checkpoint_id through FsspecWriter.
+LOCAL_URLS: Final = ("file://", "local://")
 
 
 def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
     """Where the save writes: `checkpoint_id`, else the storage writer's `path`, made absolute."""
     target = kwargs.get("checkpoint_id")
-    if target is None:
+    if not target:  # as torch's writers' `reset`: an empty checkpoint_id leaves the writer's path as it is
         target = getattr(kwargs.get("storage_writer"), "path", None)
     if target is None:
         return None
     text = os.fspath(target) if isinstance(target, str | os.PathLike) else str(target)
-    if text.startswith("file://"):
+    if text.startswith(LOCAL_URLS):
         # fsspec's local files: a path the daemon can validate like any other.
-        parsed = urllib.parse.urlsplit(text)
-        if parsed.netloc in ("", "localhost"):
-            text = urllib.parse.unquote(parsed.path)
+        text = local_url_path(text)
     # Another URL (s3://, gs://) stays as it is; the daemon ignores what is not a local path.
-    return text if "://" in text else os.path.normpath(Path(text).absolute())
+    return text if "://" in text else absolute_path(text)
+
+
+def local_url_path(url: str) -> str:
+    """The local path DCP's FsspecWriter writes `url` to, as fsspec resolves it; `url` itself without fsspec.
+
+    fsspec takes what follows `file://` as a path: `file://localhost/ck` and `file://ck` are relative to
+    the job's cwd, `%20` stays as it is, `~` is expanded. Without fsspec DCP cannot save to a URL at all.
+    """
+    try:
+        from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+    except ImportError:
+        return url
+    try:
+        return str(url_to_fs(url)[1])
+    except (ValueError, OSError):  # OSError: the job's cwd is gone
+        return url
+
+
+def absolute_path(text: str) -> str:
+    """`text` made absolute and normalized as the kernel resolves it; `text` itself when the cwd is gone.
+
+    A `..` after a symlink leads out of the link's target, not back to the link's directory: the path up to
+    its last `..` is resolved (only then), the rest stays as written (a symlinked root keeps its name).
+    """
+    try:
+        path = Path(text).absolute()  # a relative path asks for the cwd: a deleted (or stale NFS) one raises
+    except OSError:
+        return text
+    parts = path.parts
+    if os.pardir in parts:
+        last = len(parts) - 1 - parts[::-1].index(os.pardir)
+        with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop; the save failed then
+            path = Path(*parts[:last + 1]).resolve().joinpath(*parts[last + 1:])
+    return os.path.normpath(path)
 
 
 def call_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -159,10 +193,10 @@ def failure_types() -> tuple[type[BaseException], ...]:
     return (Exception,)
 
 
-def _called_by_dcp() -> bool:
-    """True when the caller is torch.distributed.checkpoint itself (saves are rare: a frame look is cheap)."""
-    caller = sys._getframe(2).f_code.co_filename
-    return f"{os.sep}distributed{os.sep}checkpoint{os.sep}" in caller
+def _called_by_dcp(dcp_dir: str) -> bool:
+    """True when the caller is a module under `dcp_dir`, torch.distributed.checkpoint's own directory (saves are
+    rare: a frame look is cheap). A job's own `.../distributed/checkpoint/` package is no part of it."""
+    return sys._getframe(2).f_code.co_filename.startswith(dcp_dir)
 
 
 class CheckpointProbe(Probe):
@@ -179,20 +213,21 @@ class CheckpointProbe(Probe):
 
     def _patch(self, saver: ModuleType) -> None:
         self._failures = failure_types()
+        dcp_dir = f"{Path(saver.__file__ or '').parent}{os.sep}"  # where torch.distributed.checkpoint's modules are
         for api in APIS:
             original = getattr(saver, api, None)
             if original is not None:
-                self._keep(_Patch(saver, api, original, self._wrap(api, original)))
+                self._keep(_Patch(saver, api, original, self._wrap(api, original, dcp_dir)))
 
-    def _wrap(self, api: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, api: str, original: Callable[..., Any], dcp_dir: str) -> Callable[..., Any]:
         probe, agent, failures = self, self.agent, self._failures
-        announce = self.guard(self._announce)
-        failed = self.guard(self._failed)
+        announce = self.guard(self._announce, traceable=False)
+        failed = self.guard(self._failed, traceable=False)
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # async_save's upload thread calls `save`: that is not a second save.
-            if not (probe.enabled and agent.enabled) or _called_by_dcp():
+            if not (probe.enabled and agent.enabled) or _called_by_dcp(dcp_dir):
                 return original(*args, **kwargs)
             started = time.perf_counter()
             try:
@@ -229,7 +264,7 @@ class CheckpointProbe(Probe):
                 self.agent.record(self._save_failed, api, path, describe_failure(error),
                                   time.perf_counter() - started)
 
-        add_done_callback(self.guard(uploaded))
+        add_done_callback(self.guard(uploaded, traceable=False))
 
     def _failed(self, api: str, kwargs: dict[str, Any], started: float, exc: BaseException) -> None:
         """The save raised (job's thread): describe it now, count it on the sender thread."""
