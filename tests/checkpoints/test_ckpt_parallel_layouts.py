@@ -185,6 +185,24 @@ def _fsdp2_saves(out: Path, world: int) -> None:
     model[2](model[1](model[0](torch.randn(3, 4).bfloat16()).float()).bfloat16()).float().sum().backward()
     optim.step()
     _save(out / "bf16_with_fp32_norm", model, optim)
+    _pickled_dtensor_saves(out, mesh)
+
+
+def _pickled_dtensor_saves(out: Path, mesh: object) -> None:
+    import types
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    # Not flattened, each rank's whole state dict is one bytes item; DCP writes one rank's: shards are lost.
+    model = _mlp()
+    fully_shard(model, mesh=mesh)
+    _save(out / "fsdp_not_flattened", model, _stepped(model), planner=DefaultSavePlanner(flatten_state_dict=False))
+    # A replicated DTensor inside an object: every rank's copy is the whole tensor, nothing is lost.
+    replicated = distribute_tensor(torch.arange(6.0), mesh, [Replicate()])  # type: ignore[arg-type]
+    dcp.save({"ema": types.SimpleNamespace(weight=replicated)}, checkpoint_id=out / "replicated_in_object")
 
 
 def save_distributed(kind: str, out: Path, rank: int, world: int, store: str) -> None:
@@ -253,6 +271,26 @@ def test_not_flattened_save_is_valid_with_nothing_to_check(layouts: Path, level:
     result = validate(layouts / "not_flattened", level)
     expected = NO_OPTIMIZER_STATE | (PICKLED_TENSORS if level is not Level.METADATA else set())
     assert (Status.VALID, expected) == (result.status, findings_of(result))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS, ids=[lv.value for lv in LEVELS])
+def test_sharded_tensors_pickled_whole_lose_all_ranks_shards_but_one(layouts: Path, level: Level) -> None:
+    """FSDP2 saved with flatten_state_dict=False: the model and optimizer items hold one rank's DTensor shards,
+    an error from the data level on (TP-CKPT-027); the metadata level cannot see inside the items."""
+    result = validate(layouts / "fsdp_not_flattened", level)
+    if level is Level.METADATA:
+        assert (Status.VALID, NO_OPTIMIZER_STATE) == (result.status, findings_of(result))
+    else:
+        assert (Status.INVALID, [("TP-CKPT-027", "model"), ("TP-CKPT-027", "optim")]) == (
+            result.status, sorted((f.rule, f.subject) for f in result.findings if f.severity is Severity.ERROR))
+
+
+@pytest.mark.slow
+def test_a_replicated_dtensor_pickled_in_an_object_loses_nothing(layouts: Path) -> None:
+    """Every rank's copy of a Replicate DTensor is the whole tensor: only unverifiable (TP-CKPT-025), valid."""
+    result = validate(layouts / "replicated_in_object", Level.DATA)
+    assert (Status.VALID, NO_OPTIMIZER_STATE | PICKLED_TENSORS) == (result.status, findings_of(result))
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from torchpulse.checkpoints.model import (
     StoredTensor,
     TensorEntry,
 )
-from torchpulse.checkpoints.rules import commit, optimizer, tiling
+from torchpulse.checkpoints.rules import commit, data, optimizer, tiling
+from torchpulse.checkpoints.unpickler import sharded_tensors_in
 from torchpulse.checkpoints.validate import (
     MAX_FINDING_TEXT,
     MAX_FINDINGS_PER_RULE,
@@ -311,3 +312,28 @@ def test_layout_rules_fast_paths_agree_with_the_exact_walks(
     assert commit._items_past_eof_exact(ckpt) == commit.items_past_eof(ckpt)
     assert commit._overlapping_items_exact(ckpt) == commit.overlapping_items(ckpt)
     assert commit._chunks_without_storage_exact(ckpt) == commit.chunks_without_storage(ckpt)
+
+
+def test_sharded_tensors_inside_a_bytes_item_are_named_from_its_globals() -> None:
+    """A pickle naming DTensor with a Shard placement, or ShardedTensor, holds rank-local data; Replicate alone not."""
+    def pickle_of(*globals_: str) -> bytes:  # protocol 2, as torch.save writes: GLOBAL opcodes, never executed
+        return b"\x80\x02" + b"".join(b"c" + g.replace(" ", "\n").encode() + b"\n" for g in globals_) + b"."
+
+    dtensor = "torch.distributed.tensor DTensor"
+    assert ["DTensor with Shard placements", "", "ShardedTensor", ""] == [
+        sharded_tensors_in(pickle_of(dtensor, "torch.distributed.tensor.placement_types Shard")),
+        sharded_tensors_in(pickle_of(dtensor, "torch.distributed.tensor.placement_types Replicate")),
+        sharded_tensors_in(pickle_of("torch.distributed._shard.sharded_tensor.api ShardedTensor")),
+        sharded_tensors_in(pickle_of("torch._utils _rebuild_tensor_v2", "mylib.placement Shard")),
+    ]
+
+
+def test_a_bytes_item_with_sharded_tensors_is_an_error_not_an_unverifiable_item() -> None:
+    """TP-CKPT-027 names the item holding one rank's shards; TP-CKPT-025 keeps the other unverifiable items."""
+    items = [StoredBytes("model", False, None, "refused global torch._utils._rebuild_wrapper_subclass",
+                         "DTensor with Shard placements"),
+             StoredBytes("ema", False, None, "refused global types.SimpleNamespace"),
+             StoredBytes("epoch", True, 3)]
+    assert ([("TP-CKPT-027", "model", "error")], [("TP-CKPT-025", "ema", "info")]) == (
+        [(f.rule, f.subject, f.severity.value) for f in data.sharded_bytes(items)],
+        [(f.rule, f.subject, f.severity.value) for f in data.unverifiable_bytes(items)])

@@ -40,6 +40,7 @@ from torchpulse.checkpoints.unpickler import (
     UnsafePickleError,
     load_plain,
     load_tensor_record,
+    sharded_tensors_in,
 )
 from torchpulse.checkpoints.zipview import Member, ZipFormatError, central_directory, data_offset
 
@@ -527,4 +528,4 @@ def _decode_bytes_item(key: str, pickled: bytes) -> StoredBytes:
     try:
         return StoredBytes(key, True, load_plain(pickled))
     except UnsafePickleError as exc:
-        return StoredBytes(key, False, None, str(exc))
+        return StoredBytes(key, False, None, str(exc), sharded_tensors_in(pickled))

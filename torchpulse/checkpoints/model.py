@@ -142,6 +142,8 @@ class StoredBytes:
     verifiable: bool
     value: object = None
     reason: str = ""
+    # Rank-local tensors pickled inside (a DTensor with Shard placements, a ShardedTensor): "" when none.
+    sharded: str = ""
 
 
 @dataclass(frozen=True, slots=True)

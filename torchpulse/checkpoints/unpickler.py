@@ -519,6 +519,36 @@ class _PlainUnpickler(_AllowListUnpickler):
     allowed: Mapping[tuple[str, str], object] = {}
 
 
+# Tensors whose pickle holds one rank's part only. A bytes item is written by one rank (DCP deduplicates
+# items by key), so such a tensor pickled inside one keeps that rank's shards and loses the others'.
+# DTensor counts when a Shard-like or Partial placement is pickled with it (Replicate alone loses nothing).
+_DISTRIBUTED = "torch.distributed."
+_SHARDED_PLACEMENTS = frozenset({"Shard", "_StridedShard", "Partial", "_Partial", "_NormPartial"})
+
+
+def sharded_tensors_in(data: bytes) -> str:
+    """Which rank-local tensors a (torch.save protocol 2) pickle refers to: "" when none, else a name such
+    as "DTensor with Shard placements" or "ShardedTensor". Read from its GLOBAL opcodes, nothing executed."""
+    import pickletools
+
+    names: set[tuple[str, str]] = set()
+    try:
+        for opcode, arg, _pos in pickletools.genops(data):
+            if opcode.name == "GLOBAL" and isinstance(arg, str) and " " in arg:
+                module, name = arg.split(" ", 1)
+                if module.startswith(_DISTRIBUTED):
+                    names.add((module, name))
+    except ValueError:  # malformed past a point: what was read so far still counts
+        pass
+    kinds = []
+    if any(name == "ShardedTensor" for _, name in names):
+        kinds.append("ShardedTensor")
+    placements = sorted(name for _, name in names if name in _SHARDED_PLACEMENTS)
+    if placements and any(name == "DTensor" for _, name in names):
+        kinds.append(f"DTensor with {'/'.join(placements)} placements")
+    return ", ".join(kinds)
+
+
 def load_plain(data: bytes) -> object:
     """Read a bytes item made only of builtins (lists of names, floats, bools); raise UnpicklingError if not."""
     return _unpickle(_PlainUnpickler, data)

@@ -123,6 +123,7 @@ def data_findings(ckpt: Checkpoint, report: DataReport) -> list[Finding]:
         *data.item_problems(report.problems),
         *data.stored_matches_metadata(ckpt, report.tensors),
         *data.unverifiable_bytes(report.bytes_items),
+        *data.sharded_bytes(report.bytes_items),
         *optimizer.state_presence(layout, {opt: g for opt, g in groups.items() if opt not in known}),
         *optimizer.params_lists(layout, items),
         *optimizer.step_consistency(layout, report.tensors, items, groups),

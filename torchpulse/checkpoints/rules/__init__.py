@@ -37,6 +37,7 @@ RULES: Mapping[str, str] = {
     "TP-CKPT-024": "unreadable item",
     "TP-CKPT-025": "bytes item not verifiable without executing it",
     "TP-CKPT-026": "optimizer state does not load resharded",
+    "TP-CKPT-027": "bytes item holds sharded tensors (one rank's shards only)",
 }
 
 # Findings of these rules mean "not finished yet", not "broken".

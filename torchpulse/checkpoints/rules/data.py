@@ -56,4 +56,21 @@ def item_problems(problems: Sequence[ItemProblem]) -> list[Finding]:
 
 def unverifiable_bytes(items: Sequence[StoredBytes]) -> list[Finding]:
     """TP-CKPT-025: bytes items that would need code to be run are reported, not executed."""
-    return [info("TP-CKPT-025", b.key, f"not verified: {b.reason}") for b in items if not b.verifiable]
+    return [info("TP-CKPT-025", b.key, f"not verified: {b.reason}") for b in items
+            if not b.verifiable and not b.sharded]
+
+
+def sharded_bytes(items: Sequence[StoredBytes]) -> list[Finding]:
+    """TP-CKPT-027: a bytes item that pickles rank-local tensors holds one rank's shards only.
+
+    DCP writes each bytes item from one rank (items are deduplicated by key), so a
+    DTensor with Shard placements or a ShardedTensor pickled inside one (a state dict
+    saved with `flatten_state_dict=False`, sharded tensors in a tuple or an object)
+    keeps that rank's shards; `dcp.load` gives every rank those, with no error.
+    """
+    return [
+        error("TP-CKPT-027", b.key, f"holds {b.sharded} pickled whole: DCP wrote it from one rank, so the other "
+              "ranks' shards are not in the checkpoint (save sharded tensors as state dict entries: "
+              "flatten_state_dict=True, no tuples or objects around them)")
+        for b in items if b.sharded
+    ]
