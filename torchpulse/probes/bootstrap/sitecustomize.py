@@ -5,29 +5,47 @@ to import torch and attaches the agent right after. Processes that never
 import torch pay for one import-hook lookup and nothing else.
 """
 
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
 # Every Python process under `torchpulse run` imports this file: no `typing` import at run time,
-# and any Python 3 must run it silently (Python 3.6 is RHEL 8's /usr/bin/python3, which jobs call):
-# no `from __future__ import annotations`, so annotations evaluated at definition are quoted.
+# and any Python 3 must run it silently (Python 3.6 is RHEL 8's /usr/bin/python3, which jobs call).
+# Python 2 (CentOS 7's /usr/bin/python, which tools a job starts may be) must at least parse it, or it
+# prints "'import sitecustomize' failed" and skips the sitecustomize this file shadows: no annotations
+# (type comments instead), no f-strings, and no Python 3 import outside the Python 3 branch.
+if sys.version_info[0] >= 3:  # noqa: UP036  (Python 2 reads this file too)
+    import importlib.machinery
+    import importlib.util
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import ModuleType
-    from typing import Any
+    from types import ModuleType  # noqa: F401  (used in type comments)
+    from typing import Any  # noqa: F401
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Set in this module's namespace before it runs when another torchpulse bootstrap (a second
 # install, nested `torchpulse run`s) chained to it: every bootstrap directory already passed.
 # Without it two bootstraps on PYTHONPATH would chain to each other until RecursionError,
 # and the user's own sitecustomize would never run.
-_CHAINED_FROM: "tuple[str, ...]" = globals().get("_torchpulse_chained_from", ())
+_CHAINED_FROM = tuple(globals().get("_torchpulse_chained_from", ()))  # type: tuple[str, ...]
 
 
-def _chain_to_shadowed_sitecustomize() -> None:
-    skip = {*_CHAINED_FROM, _HERE}
+def _chain_on_python2():  # type: () -> None
+    """Python 2 gets no agent, but the sitecustomize this file shadows runs: imported again without this directory.
+
+    The directory stays off sys.path, where it would not be without `torchpulse run`. A second bootstrap
+    further on does the same, so the chain ends; Python 2's import returns what sys.modules holds then.
+    """
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    del sys.modules["sitecustomize"]
+    try:  # noqa: SIM105  (no contextlib.suppress on Python 2)
+        __import__("sitecustomize")
+    except ImportError:  # what Python 2's site module does with it too
+        pass
+
+
+def _chain_to_shadowed_sitecustomize():  # type: () -> None
+    skip = set(_CHAINED_FROM) | {_HERE}
     paths = [p for p in sys.path if os.path.abspath(p or os.curdir) not in skip]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
     if spec is None or spec.loader is None:
@@ -38,32 +56,32 @@ def _chain_to_shadowed_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
-def _should_attach() -> bool:
+def _should_attach():  # type: () -> bool
     # Inductor's compile workers (`python -m torch._inductor.compile_worker`, argv[0] its
     # __main__.py path) import torch but never train; a user script merely named so does.
     argv = " ".join(sys.argv[:2]).replace(os.sep, ".")
     return "_inductor.compile_worker" not in argv
 
 
-def _attach() -> None:
+def _attach():  # type: () -> None
     try:
         if not _should_attach():
             return
         if _starting_multiprocessing_child() and _attach_when_started():
             return
     except Exception as exc:
-        sys.stderr.write(f"torchpulse: agent not attached: {exc!r}\n")
+        sys.stderr.write("torchpulse: agent not attached: " + repr(exc) + "\n")
         return
     _attach_now()
 
 
-def _attach_now() -> None:
+def _attach_now():  # type: () -> None
     try:
         import torchpulse
 
         torchpulse.attach()
     except Exception as exc:  # the job must start even if the agent cannot
-        sys.stderr.write(f"torchpulse: agent not attached: {exc!r}\n")
+        sys.stderr.write("torchpulse: agent not attached: " + repr(exc) + "\n")
 
 
 # Modules whose functions, as a multiprocessing child's target, never train: the child gets no agent
@@ -76,7 +94,7 @@ NON_TRAINING_TARGET_MODULES = (
 )
 
 
-def _starting_multiprocessing_child() -> bool:
+def _starting_multiprocessing_child():  # type: () -> bool
     """True in a spawn or forkserver child that imports torch while it unpickles its main module or target.
 
     Such a child is a DataLoader worker, which never trains, or a rank of `torch.multiprocessing.spawn`;
@@ -86,7 +104,7 @@ def _starting_multiprocessing_child() -> bool:
     return process is not None and bool(getattr(process.current_process(), "_inheriting", False))
 
 
-def _attach_when_started() -> bool:
+def _attach_when_started():  # type: () -> bool
     """Attach as this child starts its target, unless that is a DataLoader worker's loop; False: attach now.
 
     BaseProcess._bootstrap is where the child first has its process object; it is wrapped once,
@@ -99,7 +117,7 @@ def _attach_when_started() -> bool:
     if original is None:
         return False
 
-    def bootstrap_then_attach(self: "Any", *args: "Any", **kwargs: "Any") -> "Any":
+    def bootstrap_then_attach(self, *args, **kwargs):  # type: (Any, *Any, **Any) -> Any
         BaseProcess._bootstrap = original  # type: ignore[attr-defined]
         target = getattr(self, "_target", None)
         # A DataLoader worker never trains: like a forked one, it gets no agent; nor DCP's saver process.
@@ -118,11 +136,11 @@ class _AttachAfterTorch:
     transformers, accelerate and Lightning check that torch is installed, imports nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self):  # type: () -> None
         self.attached = False
 
-    def find_spec(self, name: str, path: "Any" = None, target: "Any" = None
-                  ) -> "importlib.machinery.ModuleSpec | None":
+    def find_spec(self, name, path=None, target=None):
+        # type: (str, Any, Any) -> importlib.machinery.ModuleSpec | None
         if name != "torch" or self.attached:
             return None
         spec = self._spec_from_later_finders(name, path, target)
@@ -131,7 +149,7 @@ class _AttachAfterTorch:
             return spec
         original_exec = loader.exec_module
 
-        def exec_then_attach(module: "ModuleType") -> None:
+        def exec_then_attach(module):  # type: (ModuleType) -> None
             original_exec(module)
             if not self.attached:
                 self.attached = True
@@ -142,8 +160,8 @@ class _AttachAfterTorch:
         loader.exec_module = exec_then_attach  # type: ignore[method-assign]
         return spec
 
-    def _spec_from_later_finders(self, name: str, path: "Any", target: "Any"
-                                 ) -> "importlib.machinery.ModuleSpec | None":
+    def _spec_from_later_finders(self, name, path, target):
+        # type: (str, Any, Any) -> importlib.machinery.ModuleSpec | None
         """What the import system would find for `name` without this finder (it never asks this one again)."""
         finders = sys.meta_path
         if self in finders:
@@ -156,13 +174,16 @@ class _AttachAfterTorch:
         return None
 
 
-try:
-    _chain_to_shadowed_sitecustomize()
-finally:
-    # A chained bootstrap leaves attaching to the first one, which runs this after it returns.
-    if os.environ.get("TORCHPULSE_BOOTSTRAP") == "1" and not _CHAINED_FROM:
-        if "torch" in sys.modules:
-            # The shadowed sitecustomize imported torch itself: there is no later import to wait for.
-            _attach()
-        else:
-            sys.meta_path.insert(0, _AttachAfterTorch())
+if sys.version_info[0] < 3:  # noqa: UP036
+    _chain_on_python2()
+else:
+    try:
+        _chain_to_shadowed_sitecustomize()
+    finally:
+        # A chained bootstrap leaves attaching to the first one, which runs this after it returns.
+        if os.environ.get("TORCHPULSE_BOOTSTRAP") == "1" and not _CHAINED_FROM:
+            if "torch" in sys.modules:
+                # The shadowed sitecustomize imported torch itself: there is no later import to wait for.
+                _attach()
+            else:
+                sys.meta_path.insert(0, _AttachAfterTorch())
