@@ -30,6 +30,7 @@ from torchpulse.probes import torch_features as tf
 from torchpulse.probes.autograd_config import AutogradConfig
 from torchpulse.probes.autograd_names import NameResolver
 from torchpulse.probes.autograd_nodes import (
+    MAX_GRAPH_DEPTH,
     NodeTime,
     PassTimer,
     PassTiming,
@@ -119,6 +120,7 @@ class AutogradProbe(Probe):
         self._names = NameResolver()
         self._node_label = BoundedLabel(self.config.top_nodes)
         self._torch_logging_noted = False
+        self._deep_graph_noted = False
         self._nonfinite_log = TokenBucket(1 / NONFINITE_LOG_INTERVAL, NONFINITE_LOG_BURST, time.monotonic())
         # Set once Dynamo is loaded (`_keep_dynamo_out`): its frame callback (None outside
         # compiled code), and the probe's work behind torch.compiler.disable for passes
@@ -311,14 +313,22 @@ class AutogradProbe(Probe):
         if plan.sampled or plan.logged:
             # Without the check nothing would prune what it tracks (a dead input leaf per pass).
             track = self._check.track if self.config.nonfinite else _ignore
-            plan.timer = PassTimer(roots_of(t_outputs), detailed=plan.logged, on_parameter=track)
+            plan.timer = PassTimer(roots_of(t_outputs), detailed=plan.logged, on_parameter=track,
+                                   on_cut=self._note_deep_graph)
         elif discover:
-            for node in iter_graph(roots_of(t_outputs)):
+            for node in iter_graph(roots_of(t_outputs), on_cut=self._note_deep_graph):
                 variable = getattr(node, "variable", None)
                 if isinstance(variable, torch.Tensor):
                     self._check.track(variable)
         self._discovered = self._discovered or (discover and self._check.known > 0)
         return plan
+
+    def _note_deep_graph(self) -> None:
+        """Once per process: a graph deeper than the walks go (see MAX_GRAPH_DEPTH)."""
+        if not self._deep_graph_noted:
+            self._deep_graph_noted = True
+            self.agent.emit("warning", "autograd.graph_too_deep", max_depth=MAX_GRAPH_DEPTH,
+                            effect="nodes deeper are not timed, logged or searched for parameters")
 
     def _torch_logs_nodes(self) -> bool:
         """True when torch's own DEBUG logging hooks run: a second set would only add cost."""

@@ -9,7 +9,6 @@ shapes are turned into labels and text later, off the hot path.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,16 @@ from torch.autograd.graph import GradientEdge, Node
 
 from torchpulse.probes import torch_features as tf
 
-# (dtype, shape) of each grad_output, None for an undefined gradient.
-GradShape = tuple[torch.dtype, tuple[int, ...]] | None
+# (dtype, shape) of each grad_output, None for an undefined gradient; "?" for a size a
+# strided nested tensor leaves irregular (it has no `shape`).
+GradShape = tuple[torch.dtype, tuple[int | str, ...]] | None
+
+# Levels of the graph a walk goes down. From torch 2.13 a node keeps the Python object a walk
+# made for it (`next_functions`) for as long as it lives, and freeing a chain of such nodes
+# recurses once per node: a fully walked chain ~45,000 deep overflows an 8 MiB stack and kills
+# the job (torch's own DEBUG logging hooks do too). Deeper nodes are neither timed nor searched.
+MAX_GRAPH_DEPTH = 10_000
+
 
 
 # AccumulateGrad nodes have no sequence number: torch gives them UINT64_MAX, which JSON readers
@@ -64,7 +71,7 @@ def format_grad_outputs(shapes: Sequence[GradShape]) -> str:
     return f"[{','.join(parts)}]"
 
 
-def _format_one(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+def _format_one(dtype: torch.dtype, shape: tuple[int | str, ...]) -> str:
     return f"{tf.dtype_abbreviations().get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
 
 
@@ -79,21 +86,47 @@ def roots_of(outputs: Iterable[Any]) -> list[Node]:
     return roots
 
 
-def iter_graph(roots: Iterable[Node]) -> Iterator[Node]:
-    """Every node reachable from `roots`, breadth first, each once."""
+def iter_graph(roots: Iterable[Node], max_depth: int = MAX_GRAPH_DEPTH,
+               on_cut: Callable[[], None] | None = None) -> Iterator[Node]:
+    """Every node reachable from `roots` in at most `max_depth` levels, breadth first, each once.
+
+    The children of the last level are not even looked at (see MAX_GRAPH_DEPTH); `on_cut` is
+    called once when some were left out.
+    """
     seen: set[Node] = set()
-    queue: deque[Node] = deque()
+    level: list[Node] = []
     for root in roots:
         if root not in seen:
             seen.add(root)
-            queue.append(root)
-    while queue:
-        node = queue.popleft()
-        yield node
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                queue.append(child)
+            level.append(root)
+    for depth in range(1, max_depth + 1):
+        deeper: list[Node] = []
+        last = depth == max_depth
+        for node in level:
+            yield node
+            if last:
+                if on_cut is not None and node.next_functions:
+                    on_cut()
+                    on_cut = None
+                continue
+            for child, _ in node.next_functions:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    deeper.append(child)
+        if not deeper:
+            return
+        level = deeper
+
+
+def irregular_shape(tensor: torch.Tensor) -> tuple[int | str, ...]:
+    """The sizes of a tensor without a `shape` (strided nested): "?" for an irregular one."""
+    sizes: list[int | str] = []
+    for dim in range(tensor.dim()):
+        try:
+            sizes.append(int(tensor.size(dim)))
+        except RuntimeError:
+            sizes.append("?")
+    return tuple(sizes)
 
 
 class PassTimer:
@@ -104,9 +137,16 @@ class PassTimer:
     """
 
     def __init__(self, roots: Iterable[Node], *, detailed: bool,
-                 on_parameter: Callable[[torch.Tensor], None]) -> None:
+                 on_parameter: Callable[[torch.Tensor], None],
+                 on_cut: Callable[[], None] | None = None) -> None:
         self.detailed = detailed
         self.error: BaseException | None = None
+        roots = list(roots)
+        # Hooks see every graph task that runs a hooked node: another thread's pass through
+        # shared parameters, a reentrant checkpoint's inner pass. Only this pass's own task is
+        # timed: the one that runs a root first (no node runs before the roots in its own task).
+        self._roots = len(set(roots))
+        self._task: list[int | None] = [None]
         self._nodes: list[Node] = []
         self._handles: list[Any] = []
         self._starts: list[float] = []
@@ -115,7 +155,7 @@ class PassTimer:
         self._shapes: list[tuple[GradShape, ...]] = []
         self._order: list[tuple[int, float]] = []
         try:
-            for index, node in enumerate(iter_graph(roots)):
+            for index, node in enumerate(iter_graph(roots, on_cut=on_cut)):
                 self._nodes.append(node)
                 self._starts.append(0.0)
                 self._seconds.append(0.0)
@@ -143,16 +183,25 @@ class PassTimer:
         return len(self._nodes)
 
     def _make_prehook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
-        starts, shapes, detailed = self._starts, self._shapes, self.detailed
-        clock = time.perf_counter
+        starts, shapes, detailed, own = self._starts, self._shapes, self.detailed, self._task
+        clock, task_id, root = time.perf_counter, tf.graph_task_id, index < self._roots
 
         def prehook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
             try:
+                task = task_id()
+                if own[0] != task:
+                    if own[0] is not None or not root:
+                        return  # another pass running this node
+                    own[0] = task
                 if detailed:
                     # A loop, not a generator: its frame would be one more for Dynamo to meet.
                     described: list[GradShape] = []
                     for g in grad_outputs:
-                        described.append(None if g is None else (g.dtype, tuple(g.shape)))
+                        try:
+                            shape: tuple[int | str, ...] = tuple(g.shape) if g is not None else ()
+                        except RuntimeError:  # a strided nested tensor has no shape
+                            shape = irregular_shape(g)  # type: ignore[arg-type]
+                        described.append(None if g is None else (g.dtype, shape))
                     shapes[index] = tuple(described)
                 starts[index] = clock()
             except Exception as exc:  # a hook that raises would fail the user's backward
@@ -163,9 +212,12 @@ class PassTimer:
     def _make_posthook(self, index: int) -> Callable[[Any, Any], None]:
         starts, seconds, calls, order, clock = (
             self._starts, self._seconds, self._calls, self._order, time.perf_counter)
+        own, task_id = self._task, tf.graph_task_id
 
         def posthook(_grad_inputs: Any, _grad_outputs: Any) -> None:
             try:
+                if own[0] is None or task_id() != own[0]:
+                    return
                 elapsed = clock() - starts[index]
                 seconds[index] += elapsed
                 calls[index] += 1

@@ -268,6 +268,11 @@ def metrics_logging_enabled() -> bool:
     return bool(getattr(torch._dynamo.config, "log_compilation_metrics", True))
 
 
+# The autograd graph task running the calling hook (-1 outside the engine): hooks tell their own pass from
+# another thread's or a reentrant checkpoint's by it. A constant where torch lacks it (no filtering then).
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
 def dispatch_modes_aside() -> AbstractContextManager[object]:
     """The job's Python dispatch modes (FlopCounterMode, DebugMode, a memory tracker) set aside, so that
     they record the job's ops only; without the feature, nothing is set aside (the modes then see ours)."""
