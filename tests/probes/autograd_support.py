@@ -39,4 +39,4 @@ def node_values(agent: Any, family: str) -> dict[str, float]:
 
 
 def events(agent: Any, name: str) -> list[dict[str, Any]]:
-    return [dict(e.fields) for e in list(agent._events) if e.event == name]
+    return [dict(e.fields) for e in [*agent._events, *agent._requested] if e.event == name]

@@ -115,3 +115,26 @@ def test_a_strided_nested_tensor_gradient_is_logged_and_leaves_the_probe_on() ->
                 ("AccumulateGrad", "[f32[2, 3]]"), ("AccumulateGrad", "[f32[4, 3]]")] == logged
         assert agent.probes["autograd"].enabled
         assert b.grad is not None and torch.equal(torch.full((4, 3), 2.0), b.grad)
+
+
+def test_a_logged_pass_larger_than_one_flush_is_delivered_whole_over_several() -> None:
+    """`ctl autograd-log` of a model with more nodes than one flush carries (2,048 events): every node's event
+    reaches the sender over the next flushes, behind the job's own events, none dropped (before: 2,048 of them)."""
+    with autograd_agent() as agent:
+        weight = torch.ones(4, requires_grad=True)
+        agent.probes["autograd"].log_next_passes(1)
+        y = weight
+        for _ in range(2_999):
+            y = y * 1.0
+        y.sum().backward()
+        agent.drain()
+        agent.emit("warning", "job.own_event")
+        limit = agent.config.max_pending_events
+        flushes = []
+        while batch := agent.take_events(limit):
+            flushes.append([e.event for e in batch])
+        agent.drain()
+        dropped = agent.store.value("agent_events_dropped_total", ("events_overflow",))
+        nodes = [event for flush in flushes for event in flush if event == "autograd.node"]
+        assert ([limit, 3_002 - limit], "job.own_event", 3_001, 0) == (
+            [len(f) for f in flushes], flushes[0][0], len(nodes), dropped)

@@ -26,6 +26,13 @@ Record = tuple[Callable[..., None], tuple[Any, ...]]
 MAX_FIELD_CHARS = 4096
 # The `reason` values of agent_events_dropped_total, in the order `_sync_drop_counters` reads them.
 DROP_REASONS = ("buffer_full", "events_overflow", "oversized")
+# Bulk events an operator asked for that may wait in the job (~500 bytes each): `ctl autograd-log 10`
+# of a 5,000-node model. Past it they are dropped and counted as events_overflow.
+MAX_REQUESTED_EVENTS = 50_000
+
+
+def _cut(fields: dict[str, FieldValue]) -> dict[str, FieldValue]:
+    return {k: (v[:MAX_FIELD_CHARS] if isinstance(v, str) else v) for k, v in fields.items()}
 
 
 class Agent:
@@ -50,6 +57,9 @@ class Agent:
         self._buffer_drops = 0
         self._reported_drops: dict[str, int] = {}
         self._events: deque[LogEvent] = deque()
+        # Events an operator asked for in bulk (`ctl autograd-log`: one per autograd node, thousands a pass);
+        # they wait behind the job's own events and leave as flushes have room.
+        self._requested: deque[LogEvent] = deque()
         self._event_drops = 0
         self._oversized_drops = 0
         self._sender: Any = None
@@ -80,16 +90,21 @@ class Agent:
 
     def reports(self) -> bool:
         """Whether this process connects to the daemon: a probe recorded something, drained or not yet."""
-        return self.active or bool(self._buffer) or bool(self._events)
+        return self.active or bool(self._buffer) or bool(self._events) or bool(self._requested)
 
     # -- sender-thread side -------------------------------------------------
     def emit(self, level: str, event: str, **fields: FieldValue) -> None:
         """Queue a structured event for the daemon's log (any thread)."""
-        clean: dict[str, FieldValue] = {
-            k: (v[:MAX_FIELD_CHARS] if isinstance(v, str) else v) for k, v in fields.items()
-        }
         if len(self._events) < self.config.max_pending_events:
-            self._events.append(LogEvent(time.time(), level, event, clean))
+            self._events.append(LogEvent(time.time(), level, event, _cut(fields)))
+        else:
+            self._event_drops += 1
+
+    def emit_requested(self, level: str, event: str, **fields: FieldValue) -> None:
+        """`emit` for events an operator asked for in bulk: held past one flush's worth (up to
+        MAX_REQUESTED_EVENTS), sent as flushes have room after the job's own events."""
+        if len(self._requested) < MAX_REQUESTED_EVENTS:
+            self._requested.append(LogEvent(time.time(), level, event, _cut(fields)))
         else:
             self._event_drops += 1
 
@@ -127,6 +142,8 @@ class Agent:
         events: list[LogEvent] = []
         while self._events and len(events) < limit:
             events.append(self._events.popleft())
+        while self._requested and len(events) < limit:
+            events.append(self._requested.popleft())
         return events
 
     def return_events(self, events: list[LogEvent]) -> None:
@@ -185,6 +202,7 @@ class Agent:
         self._buffer.clear()
         self._quiet.clear()
         self._events.clear()
+        self._requested.clear()
         sender, self._sender = self._sender, None
         if sender is not None:
             sender.forget_after_fork()

@@ -376,7 +376,7 @@ class AutogradProbe(Probe):
 
     def _on_logged(self, pass_index: int, timing: PassTiming) -> None:
         for execution in timing.executions:
-            self.agent.emit("info", "autograd.node", pass_index=pass_index, node=execution.name,
+            self.agent.emit_requested("info", "autograd.node", pass_index=pass_index, node=execution.name,
                             sequence_nr=execution.sequence_nr, seconds=execution.seconds,
                             grad_outputs=format_grad_outputs(execution.grad_outputs))
 
