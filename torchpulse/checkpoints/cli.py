@@ -7,13 +7,18 @@ validator crashed (cannot tell).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
+from typing import Final
 
 from torchpulse.checkpoints.isolated import CLEAR_LINE, ValidatorFailed, validate_isolated
-from torchpulse.checkpoints.model import Level, Status, ValidationResult
+from torchpulse.checkpoints.model import DATA_SUFFIXES, Level, Status, ValidationResult
 from torchpulse.checkpoints.rules import RULES
 from torchpulse.terminal import printable
 
@@ -24,6 +29,10 @@ _EXIT = {
     Status.INCOMPLETE: EXIT_INCOMPLETE,
     Status.ERROR: EXIT_ERROR,
 }
+# Subdirectories looked into when PATH has no checkpoint files of its own (a root of thousands of saves).
+MAX_SUBDIRS_EXAMINED: Final = 1000
+# Checkpoint directories named in the message about such a PATH.
+MAX_NAMED: Final = 3
 
 
 def render_text(result: ValidationResult) -> str:
@@ -52,6 +61,42 @@ def render_text(result: ValidationResult) -> str:
     return "\n".join(lines)
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """A file only a checkpoint directory holds: metadata (committed, per rank or temporary) or data."""
+    return name.endswith((".metadata", ".metadata.tmp", *DATA_SUFFIXES))
+
+
+def _checkpoints_inside(path: str) -> list[str]:
+    """Names of the subdirectories of `path` that hold checkpoint files, when `path` itself holds none.
+
+    `torchpulse check /ckpt` given the root instead of `/ckpt/step-4000` is a usage error,
+    not a save that has not committed. Empty when `path` holds a checkpoint file or cannot be listed.
+    """
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        entries = sorted(Path(path).iterdir())
+        if any(_is_checkpoint_file(e.name) for e in entries):
+            return []
+        for entry in entries[:MAX_SUBDIRS_EXAMINED]:
+            with contextlib.suppress(OSError):  # not a directory, or one it cannot list
+                if any(_is_checkpoint_file(f.name) for f in entry.iterdir()):
+                    found.append(entry.name)
+    return found
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one line, no traceback, then die of SIGINT as the shell expects (a loop over checkpoints stops)."""
+    # The child's progress bar may still be on the line.
+    print(f"{CLEAR_LINE if sys.stderr.isatty() else ''}torchpulse check: interrupted", file=sys.stderr)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return 128 + signal.SIGINT  # main() run off the main thread by another program: the shell's code for it
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchpulse check", description=__doc__.splitlines()[0])
     p.add_argument("path", help="checkpoint directory")
@@ -74,6 +119,13 @@ def main(argv: list[str]) -> int:
     except ValidatorFailed as exc:
         # A child killed mid-way leaves its progress bar on the line.
         print(f"{CLEAR_LINE if sys.stderr.isatty() else ''}torchpulse check: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return _interrupted()
+    if result.status is Status.INCOMPLETE and (inside := _checkpoints_inside(args.path)):
+        named = ", ".join(printable(n) for n in inside[:MAX_NAMED]) + (", ..." if len(inside) > MAX_NAMED else "")
+        print(f"torchpulse check: {printable(args.path)}: not a checkpoint but a directory of checkpoints "
+              f"({named}): check one of them", file=sys.stderr)
         return EXIT_ERROR
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
