@@ -490,3 +490,36 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
 
     run_service(tmp_path, config, body)
     assert [str(step), str(step)] == worker.calls
+
+
+def test_deleting_the_latest_checkpoint_makes_the_newest_one_left_the_latest(
+        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    """An operator deletes the invalid newest checkpoint (as CheckpointInvalid asks): the root's status is its
+    newest remaining checkpoint's at the next sweep, and with none left no status is exported (before: the
+    deleted checkpoint's status and findings stayed until the next save, across restarts too)."""
+    root = tmp_path / "root"
+    steps = [root / f"step-{n}" for n in range(1, 4)]
+    for n, step in enumerate(steps):
+        commit_copy(saved_checkpoint, step)
+        for item in step.iterdir():
+            os.utime(item, (1000.0 + n, 1000.0 + n))
+    worker.invalid.add(str(steps[2]))
+    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def body(service: CheckpointService) -> None:
+        stats = service.stats.root(str(root))
+        await _until(lambda: sum(stats.validations.values()) == 3)
+        seen.append((stats.last_status, stats.latest_path))
+        shutil.rmtree(steps[2])
+        await service.sweep()
+        seen.append((stats.last_status, stats.latest_path))
+        # An emptied root looks like an unmounted mount point: only a root with entries left tells a deletion.
+        (root / "notes.txt").write_text("retention ran")
+        for step in steps[:2]:
+            shutil.rmtree(step)
+        await service.sweep()
+        seen.append((stats.last_status, stats.latest_path))
+
+    run_service(tmp_path, config, body)
+    assert [("invalid", str(steps[2])), ("valid", str(steps[1])), (None, None)] == seen

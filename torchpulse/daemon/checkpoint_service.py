@@ -546,6 +546,24 @@ class CheckpointService:
                            level="info", path=path, root=root)
         for _, path in sorted(found):  # oldest first: the newest is validated next
             self._enqueue(path, root)
+        present = {ckpt.path for ckpt in result.committed} | {save.path for save in result.uncommitted}
+        await self._follow_a_deleted_latest(root, present)
+
+    async def _follow_a_deleted_latest(self, root: str, present: set[str]) -> None:
+        """When the root's latest checkpoint was deleted, its newest one left becomes the latest."""
+        label = self._label(root)
+        latest = self.stats.root(label).latest_path
+        if latest is None or latest in present or self._store is None:
+            return
+        (gone,) = await off_loop(functools.partial(deleted, [latest]), "torchpulse-deleted")
+        if not gone:  # out of reach (an unmounted filesystem, permissions): not known to be deleted
+            return
+        if self._watches is None or root not in self._watches.wanted or self.stats.root(label).latest_path != latest:
+            return  # dropped, or a newer result came in, while it looked
+        newest = self._store.newest_of_root(label, present)
+        self.stats.latest_deleted(label, newest)
+        log.info("the latest checkpoint was deleted: the newest one left is the root's latest now",
+                 deleted=latest, latest=None if newest is None else newest.path, root=label)
 
     async def prune(self) -> None:
         """Forget the records of checkpoint directories deleted since (a job's retention policy)."""

@@ -273,6 +273,16 @@ class StateStore:
         )
         return [Record(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], _decode(r[9])) for r in rows]
 
+    def newest_of_root(self, root: str, paths: set[str]) -> Record | None:
+        """The record with the newest commit among those of `root` whose directory is in `paths`."""
+        rows = self._read(
+            "SELECT path, root, key, status, level, validated_at, committed_at, bytes, duration_seconds, findings "
+            "FROM checkpoints WHERE root = ? ORDER BY committed_at DESC", (root,))
+        for r in rows:
+            if r[0] in paths:
+                return Record(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], _decode(r[9]))
+        return None
+
     def last_valid_per_root(self) -> dict[str, float]:
         """Commit time of each root's newest valid checkpoint."""
         rows = self._read("SELECT root, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root")

@@ -24,6 +24,8 @@ class RootStats:
     validations: Counter[str] = field(default_factory=Counter)
     last_validation: float | None = None
     latest_committed: float | None = None
+    # The directory of the latest checkpoint: deleted, it stops being the root's current one.
+    latest_path: str | None = None
     last_status: str | None = None
     last_valid: float | None = None
     findings: FindingCounts = field(default_factory=dict)
@@ -58,12 +60,25 @@ class CheckpointStats:
 
     def _set_latest(self, stats: RootStats, record: Record) -> None:
         if stats.latest_committed is None or record.committed_at >= stats.latest_committed:
-            stats.latest_committed = record.committed_at
-            stats.last_status = record.status
-            stats.findings = dict(record.findings)
-            stats.bytes = record.bytes
+            self._make_latest(stats, record)
         if record.status == "valid" and (stats.last_valid is None or record.committed_at > stats.last_valid):
             stats.last_valid = record.committed_at
+
+    @staticmethod
+    def _make_latest(stats: RootStats, record: Record | None) -> None:
+        stats.latest_committed = None if record is None else record.committed_at
+        stats.latest_path = None if record is None else record.path
+        stats.last_status = None if record is None else record.status
+        stats.findings = {} if record is None else dict(record.findings)
+        stats.bytes = 0 if record is None else record.bytes
+
+    def latest_deleted(self, label: str, newest_left: Record | None) -> None:
+        """The latest checkpoint's directory is gone: the newest one left (None: none) is the latest now.
+
+        Deleting a broken newest checkpoint is how an operator answers CheckpointInvalid; its status
+        and findings must not stay exported until the next save. The last valid time stays.
+        """
+        self._make_latest(self.root(label), newest_left)
 
     def retain(self, labels: set[str]) -> None:
         """Drop the series of every root label not in `labels`."""
