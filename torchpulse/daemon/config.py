@@ -25,9 +25,17 @@ class ConfigError(ValueError):
 
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only: str.isdigit() takes "\u00b2" (then int() fails) and Arabic-Indic "\u0661\u0660"
+    # (int() reads it as port 10).
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host = host.strip("[]")
+    if not host:
+        # ":PORT" means every interface to Go exporters (node_exporter's --web.listen-address) and
+        # loopback to others: either reading exposes or hides /metrics by surprise, so ask which.
+        raise ConfigError(f"listen: {value!r} names no host; write 127.0.0.1:{port} (this machine only) or "
+                          f"0.0.0.0:{port} (every interface)")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,10 @@ class DaemonSection:
         too_long = socket_path_too_long(self.socket)
         if too_long is not None:
             raise ConfigError(f"daemon.socket: {str(self.socket)!r}: {too_long}; choose a shorter path")
-        parse_listen(self.listen)
+        try:
+            parse_listen(self.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"daemon.{exc}") from None
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -94,6 +105,10 @@ def _coerce(section: str, key: str, value: Any, hint: Any) -> Any:
     if hint is Path:
         if not isinstance(value, str):
             raise ConfigError(f"{name}: expected a path string, got {type(value).__name__}")
+        if not value:
+            # Path("") is ".": the socket would be the working directory, the state written into it ("/" under
+            # systemd). Leave the key out for its default.
+            raise ConfigError(f"{name}: expected a path, got an empty string (leave the key out for the default)")
         return Path(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -132,9 +147,16 @@ def _section(cls: type[Any], name: str, table: Any) -> Any:
 
 def from_mapping(data: dict[str, Any]) -> Config:
     """Build a Config from parsed TOML, rejecting unknown sections and keys."""
-    for section in data:
-        if section not in ("daemon", "runs", *KNOWN_EXTRA_SECTIONS):
-            raise ConfigError(f"{section}: unknown section")
+    for section, value in data.items():
+        if section in ("daemon", "runs", *KNOWN_EXTRA_SECTIONS):
+            continue
+        if not isinstance(value, dict):
+            # A key above the first table header (`listen = ...` without `[daemon]`), not a section.
+            owner = next((f"[{cls_name}]" for cls_name, cls in (("daemon", DaemonSection), ("runs", RunsSection))
+                          if section in {f.name for f in dataclasses.fields(cls)}), None)
+            where = f"it belongs under {owner}" if owner else "keys go under [daemon], [runs] or [checkpoints]"
+            raise ConfigError(f"{section}: unknown key outside any table ({where})")
+        raise ConfigError(f"{section}: unknown section")
     extra = {name: data[name] for name in KNOWN_EXTRA_SECTIONS if name in data}
     for name, table in extra.items():
         if not isinstance(table, dict):

@@ -122,7 +122,7 @@ class Daemon:
             raise
         log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
                  socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
-                 metrics=f"http://{host}:{self.metrics.port}/metrics")
+                 metrics=f"http://{_url_host(host)}:{self.metrics.port}/metrics")
         for callback in self.on_ready:
             callback(self)
         systemd.notify("READY=1\n" + self._status_line())
@@ -242,6 +242,11 @@ class Daemon:
                 await off_loop(functools.partial(_remove_textfile, Path(textfile)), "torchpulse-textfile")
             return
         log.warning("could not remove the textfile output (a hung filesystem?)", path=textfile)
+
+
+def _url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets (RFC 3986 3.2.2), or its last group reads as the port."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _write_textfile(data: bytes, path: Path) -> None:

@@ -219,6 +219,8 @@ class MetricsServer:
             f"Content-Length: {len(body)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}",
         ]
+        if status == 405:
+            lines.append("Allow: GET, HEAD")  # RFC 9110 15.5.6: a 405 answer must list the methods served
         if encoding:
             lines.append(f"Content-Encoding: {encoding}")
         if content_type == CONTENT_TYPE:
