@@ -224,7 +224,9 @@ class ControlHub:
                 else "the traced steps"
             return (f"{head} (the rank is at step {step}; the trace of {span} still completes into its "
                     "directory, unless the rank is stuck)")
-        return f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck)"
+        # The agent keeps the command: it applies at that boundary all the same, the answer is only late.
+        return (f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck; "
+                "the command stays queued and applies there if the rank gets there)")
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
                    timeout: float, explain: bool = True) -> RankResult:

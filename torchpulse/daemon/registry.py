@@ -88,6 +88,9 @@ class RankState:
     # the rest of its run goes on (an elastic job scaled down).
     exited: bool = False
     disconnected_at: float | None = None
+    # The same moment by the wall clock, which agents' `started_at` is read on: a process started
+    # later in this rank's slot (host, local rank) of the run is its restart, whatever rank it became.
+    disconnected_wall: float | None = None
     events_received: int = 0
     values: dict[SeriesKey, float] = field(default_factory=dict)
     histograms: dict[SeriesKey, tuple[tuple[int, ...], float]] = field(default_factory=dict)
@@ -220,6 +223,7 @@ class Registry:
                              f"{previous.hello.pid} on {previous.hello.host!r}: two processes report as one rank "
                              "(two jobs with one run name, or a wrong RANK); retrying")
         run.ended_at = None
+        self._forget_restarted_ranks(run, hello)
         if previous is not None and previous.connected and previous.close is not None:
             # The older connection is dead or about to be: its frames must not
             # overwrite newer totals, nor its close mark the rank disconnected.
@@ -228,7 +232,7 @@ class Registry:
             # The same process reconnecting: keep what it told us so far. A pid reused on the same host
             # (a restarted container) is a new process: its started_at differs.
             previous.hello, previous.peer, previous.connected = hello, peer, True
-            previous.exited, previous.disconnected_at = False, None
+            previous.exited, previous.disconnected_at, previous.disconnected_wall = False, None, None
             previous.connected_at = previous.last_seen = time.monotonic()
             state = previous
         else:
@@ -240,6 +244,25 @@ class Registry:
             _log_bucket_plan(hello, state.bucket_plan)
         self.connections += 1
         return run, state
+
+    @staticmethod
+    def _forget_restarted_ranks(run: RunState, hello: Hello) -> None:
+        """Forget the run's down ranks whose slot this hello's process took over once they were gone.
+
+        torchelastic restarts every worker of a node in its slot (host, local rank), but the rendezvous
+        may number them otherwise: a node left (the world shrank) or another joined ahead of this one.
+        The rank the slot had before is no longer part of the job, not down: kept, it would stay `gone`
+        (TorchpulseAgentDown, and the run's world size) for as long as the run goes on and an hour after.
+        Only a process started after the rank went counts: a rank of the same slot running beside it
+        (ranks without LOCAL_RANK all read 0) reconnecting later is no restart.
+        """
+        for rank, state in list(run.ranks.items()):
+            if (rank != hello.rank and not state.connected and not state.exited
+                    and state.disconnected_wall is not None and hello.started_at > state.disconnected_wall
+                    and (state.hello.host, state.hello.local_rank) == (hello.host, hello.local_rank)):
+                Registry._drop_rank(run, rank)
+                log.info("rank forgotten: its slot was restarted as another rank", run=run.name, rank=rank,
+                         pid=state.hello.pid, local_rank=hello.local_rank, restarted_as=hello.rank, new_pid=hello.pid)
 
     def _forget_oldest_ended_run(self) -> bool:
         # Runs that ended cleanly first: forgetting one that lost a rank silently ends its down alert.
@@ -276,7 +299,7 @@ class Registry:
         self.connections -= 1
         if self.owns(run, state, connection):
             state.connected = False
-            state.disconnected_at = time.monotonic()
+            state.disconnected_at, state.disconnected_wall = time.monotonic(), time.time()
             state.channel = state.close = None
         if not any(rank.connected for rank in run.ranks.values()):
             run.ended_at = time.monotonic()
