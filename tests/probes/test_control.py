@@ -429,3 +429,20 @@ def test_a_trace_on_a_full_disk_names_the_cause_and_frees_the_space(full_disk: P
         assert space.f_blocks == space.f_bfree, "the job still holds the deleted partial trace file"
     finally:
         agent.shutdown()
+
+
+def test_the_step_rate_of_a_rank_stuck_since_its_last_step_falls() -> None:
+    """Steps 0.1 s apart: 10 per second while the rank steps on; stuck for 10 s since (a peer hung in a
+    collective), the wait counts and the rate falls (it read 10 per second for as long as the rank hung)."""
+    agent, _model, _optimizer = _setup()
+    try:
+        control = agent.control
+        for ago in (0.05, 10.0):
+            last = time.monotonic() - ago
+            control._step_times.clear()
+            control._step_times.extend(last - 0.1 * i for i in range(9, -1, -1))
+            agent.control.receive(Command(1, "status", {}))
+        stepping, stuck = (result.data["step_rate"] for result in control.results)
+        assert (10.0, True) == (stepping, isinstance(stuck, float) and 0.8 < stuck < 0.9), stuck
+    finally:
+        agent.shutdown()

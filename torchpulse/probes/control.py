@@ -216,11 +216,17 @@ class Control:
         return data
 
     def _step_rate(self) -> float:
-        """Steps per second over the last few steps; 0.0 before two steps."""
+        """Steps per second over the last few steps and the wait since; 0.0 before two steps.
+
+        A rank stuck in a collective keeps its last steps' times: the time since its last step,
+        beyond one usual interval, counts too, so its rate falls instead of reading as before.
+        """
         times = list(self._step_times)  # one C-level copy: the training thread appends meanwhile
         if len(times) < 2 or times[-1] <= times[0]:
             return 0.0
-        return round((len(times) - 1) / (times[-1] - times[0]), 3)
+        span = times[-1] - times[0]
+        overdue = time.monotonic() - times[-1] - span / (len(times) - 1)
+        return round((len(times) - 1) / (span + max(0.0, overdue)), 3)
 
     # -- training thread ------------------------------------------------------
     def safe_point(self) -> None:
