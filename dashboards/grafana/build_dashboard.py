@@ -44,10 +44,15 @@ def panel(
     options: dict[str, Any] | None = None,
     transformations: list[dict[str, Any]] | None = None,
     red_fields: dict[str, float] | None = None,
+    units: dict[str, str] | None = None,
 ) -> Panel:
     steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
     if red_above is not None:
         steps.append({"color": "red", "value": red_above})
+    defaults: dict[str, Any] = {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}}
+    if kind == "timeseries" and (red_above is not None or red_fields):
+        # A time series panel draws no threshold unless asked: without this, nothing ever turns red.
+        defaults["custom"] = {"thresholdsStyle": {"mode": "line"}}
     built: Panel = {
         "type": kind,
         "title": title,
@@ -55,10 +60,11 @@ def panel(
         "datasource": DS,
         "gridPos": {"w": width, "h": height},
         "fieldConfig": {
-            "defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
+            "defaults": defaults,
             "overrides": [
                 {
-                    "matcher": {"id": "byName", "options": field},
+                    # By prefix: a legend such as "rejected {{reason}} {{instance}}" names each series.
+                    "matcher": {"id": "byRegexp", "options": f"^{field}"},
                     "properties": [
                         {
                             "id": "thresholds",
@@ -70,6 +76,11 @@ def panel(
                     ],
                 }
                 for field, limit in (red_fields or {}).items()
+            ]
+            + [
+                # A query whose series have another unit than the panel's (refIds are A, B, ... in order).
+                {"matcher": {"id": "byFrameRefID", "options": ref}, "properties": [{"id": "unit", "value": u}]}
+                for ref, u in (units or {}).items()
             ],
         },
         "options": options or {},
@@ -392,11 +403,13 @@ def compilation() -> list[Panel]:
             "timeseries",
             "Compile time by phase",
             "s",
-            "Seconds spent compiling per phase in each interval. Compilation after warm-up "
+            "Seconds spent compiling per phase in each interval, on the rank that compiled longest (the "
+            "ranks of a data-parallel job compile side by side). Compilation after warm-up "
             "means recompiles: see the panels beside this one.",
             [
                 q(
-                    f"sum by (run, phase) (increase(torchpulse_compile_duration_seconds_sum{{{SEL}}}[{RI}]))",
+                    f"max by (run, phase) (sum by (run, rank, phase) "
+                    f"(increase(torchpulse_compile_duration_seconds_sum{{{SEL}}}[{RI}])))",
                     "{{run}} {{phase}}",
                 )
             ],
@@ -502,6 +515,7 @@ def cudagraphs() -> list[Panel]:
                 ),
                 q(f"sum by (run, rank) (torchpulse_cudagraph_pool_bytes{{{SEL}}})", "pool bytes {{run}} rank {{rank}}"),
             ],
+            units={"B": "bytes"},
         ),
         panel(
             "table",
@@ -550,6 +564,7 @@ def checkpoints() -> list[Panel]:
                 q("min by (root) (torchpulse_checkpoint_root_readable)", instant=True, table=True),
             ],
             width=12,
+            units={"B": "bytes"},
             transformations=[{"id": "merge", "options": {}}],
         ),
         panel(
@@ -570,7 +585,7 @@ def checkpoints() -> list[Panel]:
             "short",
             "Validation findings of the newest checkpoint by rule id and severity. Each "
             "TP-CKPT rule names what is wrong; errors make a checkpoint invalid.",
-            [q("sum by (root, rule, severity) (torchpulse_checkpoint_findings) > 0", instant=True, table=True)],
+            [q("max by (root, rule, severity) (torchpulse_checkpoint_findings) > 0", instant=True, table=True)],
             transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True}}}],
         ),
         panel(
@@ -657,7 +672,8 @@ def autograd() -> list[Panel]:
             "timeseries",
             "Autograd node calls per second (top 10)",
             "cps",
-            "Calls of the most frequent node types. Many tiny nodes mean launch overhead: "
+            "Calls of the most frequent node types in the sampled passes (1 in 100 by default: the ranking "
+            "holds, the rate is that much lower). Many tiny nodes mean launch overhead: "
             "torch.compile or fused kernels help.",
             [q(f"topk(10, sum by (node) (rate(torchpulse_autograd_node_calls_total{{{SEL}}}[{RI}])))", "{{node}}")],
             width=12,
