@@ -11,6 +11,8 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 DASHBOARD_JSON = DASHBOARDS / "grafana" / "torchpulse.json"
 RULES = DASHBOARDS / "prometheus" / "torchpulse.rules.yml"
 RULES_TEST = DASHBOARDS / "prometheus" / "torchpulse.rules.test.yml"
+# Cases for realistic series that earlier rules got wrong (warm-ups, start-up overflows, reentrant passes).
+RULES_MORE_TEST = DASHBOARDS / "prometheus" / "torchpulse.rules.more_test.yml"
 CONTRACT = DASHBOARDS / "metrics.txt"
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
-from dashboard_files import RULES, RULES_TEST, Rule
+import pytest
+from dashboard_files import RULES, RULES_MORE_TEST, RULES_TEST, Rule
 
 REQUIRED_ALERTS = {
     "RecompilationStorm",
@@ -49,15 +51,17 @@ def test_promtool_check_rules_is_clean(rules: list[Rule], require_tool: Callable
     assert f"SUCCESS: {len(rules)} rules found" in result.stdout
 
 
-def test_promtool_unit_tests_pass(require_tool: Callable[[str], str]) -> None:
-    """Every case in torchpulse.rules.test.yml passes under promtool test rules."""
+@pytest.mark.parametrize("cases", [RULES_TEST, RULES_MORE_TEST], ids=lambda path: path.name)
+def test_promtool_unit_tests_pass(require_tool: Callable[[str], str], cases: Path) -> None:
+    """Every case of the file passes under promtool test rules, run against the shipped rules file itself."""
+    assert re.search(r"^rule_files:\n  - (\S+)$", cases.read_text(), re.MULTILINE).group(1) == RULES.name  # type: ignore[union-attr]
     result = subprocess.run(
-        [require_tool("promtool"), "test", "rules", str(RULES_TEST)],
+        [require_tool("promtool"), "test", "rules", str(cases)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        cwd=RULES_TEST.parent,
+        cwd=cases.parent,
     )
 
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,4 +1,4 @@
-"""More promtool unit tests of the alerting rules, and dashboard panels: realistic series earlier versions got wrong."""
+"""Dashboard panels over realistic series that earlier versions of their queries got wrong."""
 
 from __future__ import annotations
 
@@ -9,32 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dashboard_files import DASHBOARDS, RULES, grafana_to_promql
-
-RULES_MORE_TEST = DASHBOARDS / "prometheus" / "torchpulse.rules.more_test.yml"
-
-
-def test_promtool_more_unit_tests_pass(require_tool: Callable[[str], str]) -> None:
-    """Every case in torchpulse.rules.more_test.yml passes under promtool test rules."""
-    result = subprocess.run(
-        [require_tool("promtool"), "test", "rules", str(RULES_MORE_TEST)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=RULES_MORE_TEST.parent,
-    )
-
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_more_tests_read_the_shipped_rules_file() -> None:
-    """The cases run against torchpulse.rules.yml itself, not a copy."""
-    text = RULES_MORE_TEST.read_text()
-    assert re.search(r"^rule_files:\n  - (\S+)$", text, re.MULTILINE).group(1) == RULES.name  # type: ignore[union-attr]
-
-
-# -- dashboard queries and panels -------------------------------------------------------------------
+from dashboard_files import grafana_to_promql
 
 
 def _panel(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
