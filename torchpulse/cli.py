@@ -171,13 +171,15 @@ def _client_errors() -> tuple[type[Exception], ...]:
 
 
 def _client_error(path: Path, exc: Exception) -> str:
+    """One line for a failed request, escaped: what the peer said (a refusal, an undecodable tag) is its text."""
     from torchpulse.protocol import FrameError
+    from torchpulse.terminal import printable
 
     if isinstance(exc, FrameError):
-        return f"torchpulse: unexpected answer from {path}: {exc}"
+        return printable(f"torchpulse: unexpected answer from {path}: {exc}")
     if isinstance(exc, OSError):
-        return f"torchpulse: lost the connection to the daemon at {path}: {exc.strerror or exc}"
-    return f"torchpulse: {exc}"
+        return printable(f"torchpulse: lost the connection to the daemon at {path}: {exc.strerror or exc}")
+    return printable(f"torchpulse: {exc}")
 
 
 def _ctl(args: argparse.Namespace) -> int:

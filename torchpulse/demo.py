@@ -22,6 +22,7 @@ from torchpulse.summary import (
     format_table,
     summarize,
 )
+from torchpulse.terminal import printable
 
 
 def _free_port() -> int:
@@ -82,7 +83,8 @@ def _save_failures_logged(log: Path) -> list[str]:
         if isinstance(entry, dict) and entry.get("event") == "checkpoint save failed":
             lines.append((str(entry.get("rank")), f"rank {entry.get('rank')} {entry.get('level')}: {entry.get('api')} "
                           f"to {entry.get('path')} raised {entry.get('error')}: {entry.get('message')}"))
-    return [line for _rank, line in sorted(lines)]
+    # The job's exception text, as the daemon logged it: escaped before it reaches the terminal.
+    return [printable(line) for _rank, line in sorted(lines)]
 
 
 def main(argv: list[str] | None = None) -> int:

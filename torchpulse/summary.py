@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from torchpulse.terminal import columns, fit, printable
+
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
     """Prometheus' histogram_quantile over cumulative (upper bound, count) pairs."""
@@ -185,8 +187,9 @@ def format_checkpoints(exposition: str) -> str:
 
 
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *body, strict=True)]
-    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in (header, *body)]
+    """Aligned columns; run, rank and root labels come from agents and checkpoint paths: escaped."""
+    rows = [[printable(str(cell)) for cell in row] for row in (header, *body)]
+    widths = [max(columns(cell) for cell in column) for column in zip(*rows, strict=True)]
+    lines = ["  ".join(fit(cell, w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

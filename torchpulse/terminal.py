@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 
 def printable(text: str) -> str:
     """`text` with every non-printable character escaped (`\\x1b`, `\\u202e`, `\\udcff`).
@@ -14,3 +16,29 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def columns(text: str) -> int:
+    """How many terminal columns `text` takes: two for a wide (CJK, emoji) character, none for a combining one."""
+    if text.isascii():
+        return len(text)
+    return sum(_char_columns(c) for c in text)
+
+
+def _char_columns(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def fit(text: str, width: int) -> str:
+    """`printable(text)` cut to at most `width` columns and padded with spaces to exactly `width`."""
+    text = printable(text)
+    used = 0
+    for end, char in enumerate(text):
+        used += _char_columns(char)
+        if used > width:
+            used -= _char_columns(char)
+            text = text[:end]
+            break
+    return text + " " * (width - used)

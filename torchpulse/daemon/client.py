@@ -16,7 +16,7 @@ from torchpulse.protocol import (
     decode_daemon_frame,
     encode,
 )
-from torchpulse.terminal import printable
+from torchpulse.terminal import fit, printable
 
 T = TypeVar("T", StatusReply, CtlReply)
 
@@ -59,7 +59,7 @@ def request_status(path: Path, timeout: float = 5.0) -> StatusReply:
 
 def format_status(reply: StatusReply) -> str:
     lines = [
-        f"torchpulse daemon {reply.daemon_version} (pid {reply.pid}), up {_duration(reply.uptime_seconds)}",
+        f"torchpulse daemon {printable(reply.daemon_version)} (pid {reply.pid}), up {_duration(reply.uptime_seconds)}",
         f"events received: {reply.events_received}"
         + (f", frames rejected: {sum(reply.frames_rejected.values())}" if reply.frames_rejected else ""),
     ]
@@ -74,7 +74,7 @@ def format_status(reply: StatusReply) -> str:
                 status = "connected"
             else:
                 status = f"{'exited' if rank.exited else 'gone'} {_duration(rank.last_seen_seconds_ago)}"
-            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {printable(rank.host)[:16]:<16} "
+            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {fit(rank.host, 16)} "
                          f"{rank.events_received:>10} {rank.events_dropped:>8}")
     return "\n".join(lines)
 

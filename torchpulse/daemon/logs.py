@@ -12,6 +12,7 @@ import structlog
 
 from torchpulse import bounds
 from torchpulse.protocol import FieldValue
+from torchpulse.terminal import printable
 
 # What a peer (an agent, a `ctl` client, a hostile local process) puts into the daemon's log is cut:
 # journald splits a line longer than its LineMax (48 KiB by default) into entries that are no longer
@@ -28,7 +29,8 @@ JOURNAL_PRIORITIES: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "c
 def configure(log_format: str = "auto", level: str = "info") -> None:
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer() if use_json
+        else _escaped(structlog.dev.ConsoleRenderer(colors=False))
     )
     if use_json and stderr_is_journal():
         renderer = _with_journal_priority(renderer)
@@ -88,6 +90,38 @@ def _with_journal_priority(renderer: structlog.typing.Processor) -> structlog.ty
         priority = JOURNAL_PRIORITIES.get(str(event_dict.get("level")), 6)
         rendered = renderer(logger, method, event_dict)
         return f"<{priority}>{rendered.decode() if isinstance(rendered, bytes) else rendered}"
+    return render
+
+
+class _Escaped:
+    """A text the console renderer shows as its repr: quoted, every non-printable character escaped."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+def _escaped(renderer: structlog.typing.Processor) -> structlog.typing.Processor:
+    """`renderer` (the console one) shown only printable text: no escape sequence reaches the terminal.
+
+    The console renderer writes the event, the keys, a string value without a space or quote and
+    the exception as they are; an agent's event name, field name or value could then clear the
+    reader's screen, set the clipboard (OSC 52) or forge a line. A traceback keeps its line breaks.
+    """
+    def render(logger: object, method: str, event_dict: structlog.typing.EventDict) -> str:
+        escaped: structlog.typing.EventDict = {}
+        for key, value in event_dict.items():
+            if key == "exception" and isinstance(value, str):
+                value = "\n".join(printable(line) for line in value.split("\n"))
+            elif key == "event" and isinstance(value, str):
+                value = printable(value)
+            elif isinstance(value, str) and not value.isprintable():
+                value = _Escaped(value)
+            escaped[printable(str(key))] = value
+        rendered = renderer(logger, method, escaped)
+        return rendered.decode() if isinstance(rendered, bytes) else str(rendered)
     return render
 
 
