@@ -98,10 +98,17 @@ def _interrupted() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchpulse check", description=__doc__.splitlines()[0])
-    p.add_argument("path", help="checkpoint directory")
-    p.add_argument("--level", choices=[lv.value for lv in Level], default=Level.DATA.value)
-    p.add_argument("--format", choices=["text", "json"], default="text")
+    p = argparse.ArgumentParser(
+        prog="torchpulse check",
+        description="Validate one distributed (DCP) or safetensors checkpoint directory.",
+        epilog="exit status: 0 valid (warnings allowed), 1 invalid, 3 incomplete (not committed yet, or "
+               "abandoned), 2 usage or I/O error, or the validator crashed (cannot tell)")
+    p.add_argument("path", help="checkpoint directory (one save, e.g. /ckpt/step-4000)")
+    p.add_argument("--level", choices=[lv.value for lv in Level], default=Level.DATA.value,
+                   help="metadata: .metadata and stat only; data (default): also read and check every item; "
+                        "load: also load the optimizer state resharded")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text for people (default), json for programs")
     return p
 
 
