@@ -63,6 +63,15 @@ _OPERATORS: Final = re.compile(r"==|!=|<=|>=|<|>|\bis not\b|\bis\b|\bnot in\b|\b
 _CONSTANT: Final = re.compile(r"^(-?[\d.]|None$|True$|False$|torch\.)")
 # A global (G['name']) or an attribute of an object: self.training, self._modules['lin'].training, c.__dict__.
 _ATTRIBUTE: Final = re.compile(r"\bG\[|[\w\])]\.[A-Za-z_]")
+# How Dynamo reaches into a function or bound method it was passed: its code, closure cells, defaults,
+# and the object a method is bound to ("fn.__closure__[0].cell_contents == 2", "fn.__defaults__[0] == 2",
+# "___check_obj_id(fn.__code__, ...)"). These are no attributes of the user's: a function argument that
+# changed is a value; an attribute after them ("fn.__self__.k") or a global before them stays an attribute.
+_FUNCTION_PARTS: Final = re.compile(
+    r"\.(__code__|__closure__|cell_contents|__defaults__|__kwdefaults__|__func__|__self__)\b"
+)
+# An attribute lookup that raised: "getattr failed on source o" (hasattr(o, "v") held, o.v is gone now).
+_GETATTR_FAILED: Final = "getattr failed on source"
 
 
 def reason_text(reason: str) -> str:
@@ -80,6 +89,8 @@ def classify_recompile(reason: str) -> str:
         return "grad_mode" if "grad_mode" in text[len(_GLOBAL_STATE):].split() else "other"
     if text.startswith(_NOT_GUARDS):
         return "other"
+    if text.startswith(_GETATTR_FAILED):
+        return "global_or_module_attribute"
     not_a_tensor = _NOT_A_TENSOR.match(text)
     if not_a_tensor is not None:
         return "global_or_module_attribute" if _is_attribute_guard(not_a_tensor[1]) else "python_value"
@@ -111,7 +122,8 @@ def _tensor_check(text: str) -> str:
 
 def _is_attribute_guard(expression: str) -> bool:
     """Whether a guarded source (not the constant it is compared with) is a global or an attribute."""
-    operands = (operand.strip() for operand in _OPERATORS.split(_LITERALS.sub("", expression)))
+    source = _FUNCTION_PARTS.sub("", _LITERALS.sub("", expression))
+    operands = (operand.strip() for operand in _OPERATORS.split(source))
     return any(_ATTRIBUTE.search(operand) for operand in operands if operand and not _CONSTANT.match(operand))
 
 
