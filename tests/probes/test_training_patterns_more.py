@@ -197,7 +197,8 @@ def test_zero_redundancy_optimizer_is_one_optimizer_holding_its_local_state(tmp_
 
 
 def test_cuda_graph_readiness_is_read_for_the_wrapping_optimizer_only() -> None:
-    """The CUDA-graph probe's readiness gauges name Lookahead only, not the AdamW it steps inside its step."""
+    """The CUDA-graph probe's readiness gauges name Lookahead only, not the AdamW it steps inside its step, and
+    keep no countdown of either once they are gone."""
     import torch._dynamo  # the CUDA-graph probe finishes installing when the job imports Dynamo
 
     agent: Any = local_agent(("optimizer", "cudagraphs"), optimizer_state_every=1)
@@ -211,6 +212,9 @@ def test_cuda_graph_readiness_is_read_for_the_wrapping_optimizer_only() -> None:
         agent.drain()
         assert [("_Lookahead#0",)] == [labels for (name, labels) in agent.store._values
                                         if name == "optimizer_nonstatic_grads"]
+        del optimizer
+        gc.collect()
+        assert {} == agent.probes["cudagraphs"]._due_in  # the wrapped AdamW's countdown went with it
     finally:
         agent.shutdown()
 

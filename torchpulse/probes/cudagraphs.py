@@ -139,11 +139,14 @@ class CudaGraphProbe(Probe):
         self._callbacks: _Callbacks | None = None
         self._taps: list[LogTap] = []
         self._labels = OptimizerLabels()  # when the optimizer probe is off
+        # Per optimizer, kept across disable/enable (as the optimizer probe keeps its labels): a
+        # re-install must not give a live optimizer a second label, series and hint.
+        self._due_in: dict[int, int] = {}  # id(optimizer) -> steps until its next check
+        self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
+        self._wrapped_seen: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._due_in: dict[int, int] = {}  # id(optimizer) -> steps until its next check
-        self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
         self._recording_started: float | None = None
         self._trees_dirty = False
         self._trees_seen: tuple[int, ...] = ()  # ids of the tree managers last read
@@ -323,7 +326,12 @@ class CudaGraphProbe(Probe):
     def _after_step(self, optimizer: Optimizer, _args: Any, _kwargs: Any) -> None:
         optimizer_probe = self.agent.probes.get("optimizer")
         if optimizer in getattr(optimizer_probe, "wrapped", ()):
-            return  # stepped inside a wrapper's step (ZeroRedundancyOptimizer): the wrapper is measured
+            # Stepped inside a wrapper's step (ZeroRedundancyOptimizer): the wrapper is measured. Its
+            # countdown still goes with it, as a tracked optimizer's does.
+            if optimizer not in self._wrapped_seen:
+                self._wrapped_seen.add(optimizer)
+                weakref.finalize(optimizer, self._due_in.pop, id(optimizer), None)
+            return
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
         tracked.steps += 1
         if self._callbacks is not None:
