@@ -88,3 +88,30 @@ def test_reduce_overhead_on_cpu_is_one_skip_per_compile_also_after_dynamo_reset(
             agent, "cudagraph_skips_total").items() if value}
     finally:
         agent.shutdown()
+
+
+def test_an_optimizer_first_seen_while_the_optimizer_probe_is_off_gets_one_label_from_both() -> None:
+    """Optimizer B steps first while the optimizer probe is disabled: both probes call it SGD#1 (the CUDA-graph
+    probe's own numbering called it SGD#0, the label of optimizer A, so both wrote one series)."""
+    agent: Any = local_agent(("optimizer", "cudagraphs"), optimizer_state_every=1)
+    try:
+        first = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        _step(first)
+        agent.probes["optimizer"].enabled = False
+        second = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        _step(second)
+        agent.probes["optimizer"].enabled = True
+        _step(second)
+        agent.drain()
+        steps = {labels[0] for (name, labels) in agent.store._values if name == "optimizer_steps_total"}
+        readiness = sorted(labels[0] for (name, labels) in agent.store._values if name == "optimizer_nonstatic_grads")
+        assert ({"SGD#0", "SGD#1"}, ["SGD#0", "SGD#1"]) == (steps, readiness)
+    finally:
+        agent.shutdown()
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.ones_like(param)
+    optimizer.step()

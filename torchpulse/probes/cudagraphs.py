@@ -385,12 +385,9 @@ class CudaGraphProbe(Probe):
                 "nodes": nodes, "pool_bytes": tf.pool_bytes(managers), "skips_total": skips}
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
-        label = None
-        optimizer_probe = self.agent.probes.get("optimizer")
-        if optimizer_probe is not None:
-            entry = getattr(optimizer_probe, "_tracked", {}).get(optimizer)
-            label = getattr(entry, "label", None)
-        tracked = _Tracked(label or self._labels.take(optimizer))
+        # One name per optimizer across both probes, also while the optimizer probe is disabled.
+        label_of = getattr(self.agent.probes.get("optimizer"), "label_of", self._labels.take)
+        tracked = _Tracked(label_of(optimizer))
         self._tracked[optimizer] = tracked
         # The countdown is keyed by id() for the hot path's sake: drop it with the optimizer.
         weakref.finalize(optimizer, self._due_in.pop, id(optimizer), None)

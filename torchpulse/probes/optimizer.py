@@ -200,6 +200,7 @@ class OptimizerProbe(Probe):
         self.state_every = agent.config.optimizer_state_every
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
         self._labels = OptimizerLabels()
+        self._named: weakref.WeakKeyDictionary[Optimizer, str] = weakref.WeakKeyDictionary()
         self._load_hooks = _PerOptimizerHooks()
         # The optimizer whose (outermost) step runs on this thread, weakly: a step that raised leaves it set.
         self._running = threading.local()
@@ -219,8 +220,16 @@ class OptimizerProbe(Probe):
             tracked.nested = 0
         self._running = threading.local()
 
+    def label_of(self, optimizer: Optimizer) -> str:
+        """The optimizer's label, the same for as long as it lives: the CUDA-graph probe asks for it too,
+        also while this probe is disabled, so that both name one optimizer alike."""
+        label = self._named.get(optimizer)
+        if label is None:
+            label = self._named[optimizer] = self._labels.take(optimizer)
+        return label
+
     def _track(self, optimizer: Optimizer) -> _Tracked:
-        tracked = _Tracked(self._labels.take(optimizer))
+        tracked = _Tracked(self.label_of(optimizer))
         self._tracked[optimizer] = tracked
         # Once per optimizer: a step that raises later is then an increase() from 0, not a series born at 1.
         for family in ("optimizer_steps_total", "optimizer_step_errors_total"):
