@@ -38,13 +38,14 @@ def _cut(fields: dict[str, FieldValue]) -> dict[str, FieldValue]:
 class Agent:
     """One per process; created by `torchpulse.attach()`."""
 
-    def __init__(self, config: AgentConfig, identity: Identity) -> None:
+    def __init__(self, config: AgentConfig, identity: Identity, store: MetricStore | None = None) -> None:
         self.config = config
         self.identity = identity
         self.pid = os.getpid()
         # Read on every hook call; cleared on detach and in forked children.
         self.enabled = True
-        self.store = MetricStore()
+        # `store`: the running totals of this process's agent before a detach(), which this one continues.
+        self.store = store if store is not None else MetricStore()
         # At 0 from the first batch on, so that rate() sees the first drops (the sender thread that
         # owns the store does not exist yet).
         self.store.start_at_zero("agent_events_dropped_total", tuple((reason,) for reason in DROP_REASONS))
@@ -63,6 +64,8 @@ class Agent:
         self._event_drops = 0
         self._oversized_drops = 0
         self._sender: Any = None
+        # After shutdown: no thread of ours touches the store any more (it may be handed to a next agent).
+        self.stopped = False
         # Set once a probe recorded something. Processes that import torch but
         # never train (torchrun's launcher, spawned workers) never connect.
         self.active = False
@@ -194,6 +197,7 @@ class Agent:
         self.control.uninstall(timeout)
         if sender is not None and os.getpid() == self.pid:
             sender.stop(timeout, goodbye)
+            self.stopped = not sender.is_alive()
         self.enabled = False
 
     def forget_after_fork(self) -> None:

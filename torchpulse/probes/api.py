@@ -16,6 +16,7 @@ from torchpulse.probes.logs import get_logger
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
     from torchpulse.probes.base import Probe
+    from torchpulse.probes.store import MetricStore
 
 log = get_logger("torchpulse.agent")
 
@@ -32,6 +33,10 @@ MIN_TORCH = (2, 4)
 _lock = threading.Lock()
 _agent: Agent | None = None
 _fork_hook_registered = False
+# ((pid, run, rank), running totals) of the agent detach() stopped last: an attach() after it, as the same
+# run and rank, continues them. The daemon knows a process by its pid and start time and keeps its series;
+# totals sent again from 0 would run backwards. Another run or rank starts from empty series.
+_previous_store: tuple[tuple[int, str, int], MetricStore] | None = None
 
 
 def current_agent() -> Agent | None:
@@ -74,7 +79,10 @@ def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | N
         )
         from torchpulse.probes.agent import Agent
 
-        agent = Agent(agent_config, current_identity(env))
+        identity = current_identity(env)
+        previous = _previous_store
+        agent = Agent(agent_config, identity, previous[1] if previous is not None
+                      and previous[0] == (os.getpid(), identity.run, identity.rank) else None)
         for name in agent_config.probes:
             probe = _make_probe(name, agent)
             if probe is not None:
@@ -115,16 +123,19 @@ def detach() -> None:
 
 
 def _detach(goodbye: bool) -> None:
-    global _agent
+    global _agent, _previous_store
     with _lock:
         agent, _agent = _agent, None
     if agent is not None:
         exit_status.uninstall()
         agent.shutdown(goodbye=goodbye)
+        if agent.stopped:
+            _previous_store = ((agent.pid, agent.identity.run, agent.identity.rank), agent.store)
 
 
 def _after_fork_in_child() -> None:
-    global _agent, _lock
+    global _agent, _lock, _previous_store
+    _previous_store = None
     # Another thread may have held the lock at fork time; the child starts clean.
     _lock = threading.Lock()
     agent, _agent = _agent, None

@@ -10,7 +10,8 @@ an exception; scripts call it on errors). A KeyboardInterrupt is a deliberate st
 failure.
 
 Not seen: `raise SystemExit(1)` and `exit()`/`quit()`, which bypass `sys.exit`; a failing
-`sys.exit()` that the job catches and survives is still taken for a failure. `os._exit()`
+`sys.exit()` that the job catches and survives is still taken for a failure. A `sys.exit()` in an atexit
+callback is not one: Python ignores it and keeps the status. `os._exit()`
 and signals skip atexit altogether: no goodbye, the rank reads as gone, as it should.
 """
 
@@ -48,7 +49,10 @@ def install() -> None:
 
     def exit(*status: object) -> Any:
         # SystemExit in another thread ends only that thread; the process's status is the main thread's.
-        if status and _fails(status[0]) and threading.current_thread() is threading.main_thread():
+        # Nor does one in an atexit callback (the main thread has ended by then): Python prints it and
+        # exits with the status it already had.
+        main = threading.main_thread()
+        if status and _fails(status[0]) and threading.current_thread() is main and main.is_alive():
             _note(f"sys.exit({status[0]!r})")
         return previous_exit(*status)
 
