@@ -10,7 +10,7 @@ import pytest
 from tests.support import DaemonProcess, run_job, select, wait_for
 
 JOB = textwrap.dedent("""
-    import sys, torch
+    import atexit, sys, torch
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -25,6 +25,8 @@ JOB = textwrap.dedent("""
         sys.exit(3)
     if how == "interrupt":
         raise KeyboardInterrupt
+    if how == "atexit_exit":
+        atexit.register(sys.exit, 4)  # runs before the agent's own handler; Python ignores its SystemExit
     """)
 
 
@@ -33,6 +35,7 @@ JOB = textwrap.dedent("""
     ("exit", 3, 0.0, "sys.exit(3)"),
     ("return", 0, 1.0, None),
     ("interrupt", -2, 1.0, None),  # Ctrl-C, a deliberate stop: Python ends itself by SIGINT
+    ("atexit_exit", 0, 1.0, None),  # a failing sys.exit() in an atexit callback leaves the status 0
 ])
 def test_only_a_normal_end_says_goodbye(daemon: DaemonProcess, tmp_path: Path, how: str, code: int,
                                         exited: float, cause: str | None) -> None:

@@ -1,4 +1,4 @@
-"""Edges of a job's life seen from the daemon: how the job ends decides goodbye or gone."""
+"""A second life of the agent in one process, seen from the daemon."""
 
 from __future__ import annotations
 
@@ -6,19 +6,6 @@ import textwrap
 from pathlib import Path
 
 from tests.support import DaemonProcess, run_job, select, wait_for
-
-JOB = textwrap.dedent("""
-    import atexit, sys, torch
-
-    model = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(5):
-        opt.zero_grad()
-        model(torch.ones(1, 2)).sum().backward()
-        opt.step()
-    # Runs before the agent's own atexit handler (registered earlier); Python ignores its SystemExit.
-    atexit.register(sys.exit, 4)
-    """)
 
 SECOND_LIFE = textwrap.dedent("""
     import torch, torchpulse
@@ -38,20 +25,6 @@ SECOND_LIFE = textwrap.dedent("""
     torchpulse.attach()
     train(3)
     """)
-
-
-def test_a_sys_exit_in_an_atexit_callback_keeps_status_0_and_the_goodbye(daemon: DaemonProcess,
-                                                                          tmp_path: Path) -> None:
-    """A failing sys.exit() in an atexit callback leaves the status 0, so the rank says goodbye and reads exited."""
-    run = "atexit-exit"
-    env = daemon.env(OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05")
-    result = run_job(JOB, tmp_path, run, env)
-    assert 0 == result.returncode, result.stderr
-    wait_for(lambda: any(e.get("event") == "agent disconnected" and e.get("run") == run for e in daemon.log_lines()))
-    key = (("rank", "0"), ("run", run))
-    assert {key: 1.0} == select(daemon.scrape(), "torchpulse_agent_exited", run=run)
-    assert [("agent connected", None), ("agent disconnected", True)] == [
-        (e.get("event"), e.get("said_goodbye")) for e in daemon.log_lines() if e.get("run") == run]
 
 
 def test_attach_after_detach_continues_the_running_totals_the_daemon_holds(daemon: DaemonProcess,
