@@ -66,7 +66,7 @@ def _stop(procs: list[subprocess.Popen[str]]) -> None:
 
 def test_trace_on_two_ranks_covers_the_same_requested_steps(daemon: DaemonProcess, tmp_path: Path) -> None:
     """Both ranks write a Chrome trace of exactly N optimizer steps, starting at the same step."""
-    procs = _jobs(daemon, "tr", steps=400, sleep=0.01)
+    procs = _jobs(daemon, "tr", steps=100000, sleep=0.01)
     try:
         _wait_connected(daemon, "tr")
         result = _ctl(daemon, "trace", "--run", "tr", "--steps", "5", "--out", str(tmp_path), "--timeout", "60")
