@@ -95,6 +95,12 @@ def _decode(text: str) -> FindingCounts:
         return {}
 
 
+def _record(row: Any) -> Record:
+    """A row of the checkpoints table (its columns in order, findings encoded) as a Record."""
+    path, root, key, status, level, validated_at, committed_at, size, duration, findings = row
+    return Record(path, root, key, status, level, validated_at, committed_at, size, duration, _decode(findings))
+
+
 def _is_corrupt(exc: sqlite3.Error) -> bool:
     return isinstance(exc, _Corrupt) or (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _CORRUPT_CODES
 
@@ -271,17 +277,14 @@ class StateStore:
             "SELECT path, root, key, status, level, validated_at, MAX(committed_at), bytes, duration_seconds, "
             "findings FROM checkpoints GROUP BY root"
         )
-        return [Record(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], _decode(r[9])) for r in rows]
+        return [_record(row) for row in rows]
 
     def newest_of_root(self, root: str, paths: set[str]) -> Record | None:
         """The record with the newest commit among those of `root` whose directory is in `paths`."""
         rows = self._read(
             "SELECT path, root, key, status, level, validated_at, committed_at, bytes, duration_seconds, findings "
             "FROM checkpoints WHERE root = ? ORDER BY committed_at DESC", (root,))
-        for r in rows:
-            if r[0] in paths:
-                return Record(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], _decode(r[9]))
-        return None
+        return next((_record(row) for row in rows if row[0] in paths), None)
 
     def last_valid_per_root(self) -> dict[str, float]:
         """Commit time of each root's newest valid checkpoint."""
