@@ -29,7 +29,6 @@ GradShape = tuple[torch.dtype, tuple[int | str, ...]] | None
 MAX_GRAPH_DEPTH = 10_000
 
 
-
 # AccumulateGrad nodes have no sequence number: torch gives them UINT64_MAX, which JSON readers
 # (doubles) cannot hold exactly. They are reported as -1.
 NO_SEQUENCE_NR = -1
@@ -197,11 +196,14 @@ class PassTimer:
                     # A loop, not a generator: its frame would be one more for Dynamo to meet.
                     described: list[GradShape] = []
                     for g in grad_outputs:
+                        if g is None:
+                            described.append(None)
+                            continue
                         try:
-                            shape: tuple[int | str, ...] = tuple(g.shape) if g is not None else ()
+                            shape: tuple[int | str, ...] = tuple(g.shape)
                         except RuntimeError:  # a strided nested tensor has no shape
-                            shape = irregular_shape(g)  # type: ignore[arg-type]
-                        described.append(None if g is None else (g.dtype, shape))
+                            shape = irregular_shape(g)
+                        described.append((g.dtype, shape))
                     shapes[index] = tuple(described)
                 starts[index] = clock()
             except Exception as exc:  # a hook that raises would fail the user's backward

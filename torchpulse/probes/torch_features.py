@@ -1,5 +1,5 @@
 """Every version-dependent fact the compile and CUDA-graph probes rely on, in one place (and the
-autograd probe's one private helper).
+autograd probe's two: its own graph task, and the job's dispatch modes set aside).
 
 The probes read torch's private surfaces (loggers, counters, callbacks, the
 CUDA-graph tree manager). Each is detected at run time and recorded in
