@@ -301,7 +301,8 @@ class OptimizerProbe(Probe):
             return
         duration = max(0.0, end - tracked.started - tracked.in_closure)
         tracked.started = None
-        if getattr(self._running, "step", None) is not None and self._running.step() is optimizer:
+        running = getattr(self._running, "step", None)
+        if running is not None and running() is optimizer:
             self._running.step = None
         tracked.steps += 1
         sizes: Sizes | None = None
