@@ -11,9 +11,11 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from torchpulse import __version__
     from torchpulse.daemon.log_settings import LOG_FORMATS, LOG_LEVELS
 
     parser = argparse.ArgumentParser(prog="torchpulse", description="Profiling daemon for PyTorch training jobs.")
+    parser.add_argument("--version", action="version", version=f"torchpulse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemon = sub.add_parser("daemon", help="run the daemon in the foreground")
@@ -170,8 +172,13 @@ def _client_errors() -> tuple[type[Exception], ...]:
     return DaemonUnavailable, FrameError, OSError
 
 
-def _client_error(path: Path, exc: Exception) -> str:
-    """One line for a failed request, escaped: what the peer said (a refusal, an undecodable tag) is its text."""
+def _client_error(path: Path, exc: Exception, socket_arg: str | None = None) -> str:
+    """One line for a failed request, escaped: what the peer said (a refusal, an undecodable tag) is its text.
+
+    When nothing listens at `path`, the line says where the path came from and how to name another:
+    a daemon started with `--socket` elsewhere is the usual cause.
+    """
+    from torchpulse.daemon.client import DaemonUnavailable
     from torchpulse.protocol import FrameError
     from torchpulse.terminal import printable
 
@@ -179,7 +186,16 @@ def _client_error(path: Path, exc: Exception) -> str:
         return printable(f"torchpulse: unexpected answer from {path}: {exc}")
     if isinstance(exc, OSError):
         return printable(f"torchpulse: lost the connection to the daemon at {path}: {exc.strerror or exc}")
-    return printable(f"torchpulse: {exc}")
+    text = f"torchpulse: {exc}"
+    if isinstance(exc, DaemonUnavailable) and str(exc).startswith("no daemon at "):
+        if socket_arg:
+            text += " (the path given with --socket; is `torchpulse daemon --socket PATH` running?)"
+        elif os.environ.get("TORCHPULSE_SOCKET"):
+            text += " (from TORCHPULSE_SOCKET; is a daemon listening there?)"
+        else:
+            text += (" (the default path; start `torchpulse daemon`, or name another daemon's socket with "
+                     "--socket PATH or TORCHPULSE_SOCKET)")
+    return printable(text)
 
 
 def _ctl(args: argparse.Namespace) -> int:
@@ -210,7 +226,7 @@ def _ctl(args: argparse.Namespace) -> int:
     try:
         reply = send_ctl(path, request, timeout + 5.0)
     except _client_errors() as exc:
-        print(_client_error(path, exc), file=sys.stderr)
+        print(_client_error(path, exc, args.socket), file=sys.stderr)
         return 1
     print(format_ctl(reply))
     return 0 if reply.results and all(r.status == "ok" for r in reply.results) else 1
@@ -226,7 +242,7 @@ def _status(socket_arg: str | None, as_json: bool) -> int:
     try:
         reply = request_status(path)
     except _client_errors() as exc:
-        print(_client_error(path, exc), file=sys.stderr)
+        print(_client_error(path, exc, socket_arg), file=sys.stderr)
         return 1
     if as_json:
         print(msgspec.json.encode(reply).decode())
