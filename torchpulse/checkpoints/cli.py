@@ -84,6 +84,24 @@ def _checkpoints_inside(path: str) -> list[str]:
     return found
 
 
+def _other_files_only(path: str) -> int:
+    """How many files `path` holds when none of them is a checkpoint file (0 when it holds one, or none).
+
+    A directory of `torch.save` files (`pytorch_model.bin`, `optimizer.pt`, Lightning's `.ckpt`) or any
+    other directory given by mistake is not a save that has not committed: the daemon does not count it
+    incomplete either. An empty directory still is (a save that has only made its directory).
+    """
+    count = 0
+    with contextlib.suppress(OSError):
+        for entry in Path(path).iterdir():
+            if _is_checkpoint_file(entry.name):
+                return 0
+            with contextlib.suppress(OSError):
+                if entry.is_file():
+                    count += 1
+    return count
+
+
 def _interrupted() -> int:
     """Ctrl-C: one line, no traceback, then die of SIGINT as the shell expects (a loop over checkpoints stops)."""
     # The child's progress bar may still be on the line.
@@ -133,6 +151,11 @@ def main(argv: list[str]) -> int:
         named = ", ".join(printable(n) for n in inside[:MAX_NAMED]) + (", ..." if len(inside) > MAX_NAMED else "")
         print(f"torchpulse check: {printable(args.path)}: not a checkpoint but a directory of checkpoints "
               f"({named}): check one of them", file=sys.stderr)
+        return EXIT_ERROR
+    if result.status is Status.INCOMPLETE and (others := _other_files_only(args.path)):
+        print(f"torchpulse check: {printable(args.path)}: not a DCP or safetensors checkpoint: {others} "
+              f"file{'s' if others != 1 else ''}, no .metadata, .distcp or .safetensors among them "
+              "(torch.save files such as .pt, .bin or .ckpt are not checked)", file=sys.stderr)
         return EXIT_ERROR
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
