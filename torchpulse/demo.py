@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         job = [sys.executable, "-m", "torchpulse", "run", "--socket", str(sock), "--run-name", "demo", "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                "-m", "torchpulse.demo_job", *job_args]
-        print(f"== training: torchpulse run -- torchrun --nproc-per-node {args.ranks} -m torchpulse.demo_job "
-              f"{' '.join(job_args)}")
+        # The command as it runs (`torchrun` is `python -m torch.distributed.run`), so it can be copied.
+        print(f"== training: torchpulse run --socket {sock} --run-name demo -- torchrun --standalone "
+              f"--nproc-per-node {args.ranks} -m torchpulse.demo_job {' '.join(job_args)}")
         print("   (a compiled metric that breaks its graph and recompiles both halves when the sequence\n"
               "    length doubles, one injected NaN gradient,\n"
               "    DCP checkpoints that the daemon validates, and one checkpoint save that fails on purpose)")
