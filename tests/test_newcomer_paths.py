@@ -82,3 +82,26 @@ def test_check_still_calls_an_empty_directory_and_shards_without_metadata_incomp
     (tmp_path / "shards" / "notes.txt").write_text("x")
     codes = [_torchpulse("check", str(tmp_path / name)) for name in ("empty", "shards")]
     assert [(3, True), (3, True)] == [(p.returncode, p.stdout.startswith("INCOMPLETE: ")) for p in codes]
+
+
+@pytest.mark.parametrize(("probes", "error"), [
+    ("optimizer,optimzer", "unknown probe 'optimzer' in --probes (known: autograd, checkpoint, compile, "
+                           "cudagraphs, optimizer)"),
+    (" , ", "--probes names no probe (known: autograd, checkpoint, compile, cudagraphs, optimizer)"),
+])
+def test_run_refuses_a_probe_list_it_cannot_use_before_the_job_starts(tmp_path: Path, probes: str,
+                                                                       error: str) -> None:
+    """A misspelt probe would otherwise be skipped with one log line per rank after the job started, and an
+    empty list would quietly mean every probe: exit 2, one line, and the command never runs."""
+    marker = tmp_path / "ran"
+    proc = _torchpulse("run", "--probes", probes, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert (2, "", [f"torchpulse run: {error}"], False) == (
+        proc.returncode, proc.stdout, proc.stderr.splitlines(), marker.exists())
+
+
+def test_run_accepts_a_spaced_probe_list(tmp_path: Path) -> None:
+    """`--probes "optimizer, autograd"` is what the agent itself accepts: the job runs with exactly those."""
+    code = "import os; print(os.environ['TORCHPULSE_PROBES'])"
+    proc = _torchpulse("run", "--socket", str(tmp_path / "none.sock"), "--probes", "optimizer, autograd", "--",
+                       sys.executable, "-c", code)
+    assert (0, "optimizer, autograd\n") == (proc.returncode, proc.stdout)

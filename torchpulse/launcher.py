@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torchpulse.paths import agent_socket_path
 from torchpulse.probes.identity import generate_run_name
+from torchpulse.terminal import printable
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "bootstrap"
 SHELL = "/bin/sh"
@@ -50,10 +51,29 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
     return env
 
 
+def probes_error(probes: str | None) -> str | None:
+    """Why `--probes` cannot be used, or None: a typo caught here, not as one log line per rank later."""
+    from torchpulse.probes.api import PROBES
+
+    if probes is None:
+        return None
+    names = [p.strip() for p in probes.split(",") if p.strip()]
+    if not names:
+        # The agent reads an empty TORCHPULSE_PROBES as "the defaults": not what `--probes ""` asks for.
+        return f"--probes names no probe (known: {', '.join(sorted(PROBES))})"
+    unknown = [name for name in names if name not in PROBES]
+    if unknown:
+        return f"unknown probe {unknown[0]!r} in --probes (known: {', '.join(sorted(PROBES))})"
+    return None
+
+
 def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | None = None,
            probes: str | None = None) -> int:
     if not cmd:
         print(USAGE, file=sys.stderr)
+        return 2
+    if (error := probes_error(probes)) is not None:
+        print(f"torchpulse run: {printable(error)}", file=sys.stderr)
         return 2
     env = launch_env(os.environ, socket, run_name, probes)
     for flag in sorted(python_flags(cmd) & BOOTSTRAP_OFF.keys()):
