@@ -15,7 +15,9 @@ Then the cost per compilation event: torch's own CompilationMetrics and
 graph-break log calls timed with and without the taps (training thread), and
 the agent-thread aggregation of those records.
 
-    .venv/bin/python bench/compile_overhead.py [--rounds 30] [--block 20]
+    .venv/bin/python -m bench.compile_overhead [--rounds 30] [--block 20]
+
+(`.venv/bin/python bench/compile_overhead.py` works too.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 import torch._dynamo.utils
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import Variant, interleaved, report
 from torchpulse.probes import torch_features as tf
@@ -45,9 +50,24 @@ GRAPH_BREAK_MESSAGE = ("Graph break in user code at /job/train.py:41\nGraph Brea
                        "`torch._dynamo.graph_break()`\n  Explanation: User-inserted graph break.\n")
 
 
-def make_agent() -> Agent:
-    config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=())
+def make_agent(capacity: int | None = None) -> Agent:
+    """An agent without a sender thread; `capacity` raises its record and event bounds (default: the agent's)."""
+    bounds = {} if capacity is None else {"buffer_capacity": capacity, "max_pending_events": capacity}
+    config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=(), **bounds)  # type: ignore[arg-type]
     return Agent(config, current_identity())
+
+
+def _frames_compiled() -> int:
+    """Frames Dynamo compiled so far in this process (recompiles included)."""
+    return int(sum(torch._dynamo.utils.counters["frames"].values()))
+
+
+def _optimizer_hooks() -> int:
+    """Optimizer step hooks registered process-wide (torch's private tables; 0 when they are not found)."""
+    from torch.optim import optimizer as optim_module
+
+    return sum(len(getattr(optim_module, table, {}))
+               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
 
 
 def step_time_ratio(rounds: int, block: int) -> bool:
@@ -66,15 +86,21 @@ def step_time_ratio(rounds: int, block: int) -> bool:
 
     agent = make_agent()
     probes = [CompileProbe(agent), CudaGraphProbe(agent)]
+    hooks_off = _optimizer_hooks()
 
     def enter() -> None:
         for probe in probes:
             probe.install()
+        # The cudagraphs probe's optimizer post-hook is its per-step work: there in `on` only.
+        if _optimizer_hooks() != hooks_off + 1:
+            raise RuntimeError("the probes did not register their optimizer hook")
 
     def leave() -> None:
         for probe in probes:
             probe.uninstall()
         agent.drain()
+        if _optimizer_hooks() != hooks_off:
+            raise RuntimeError("the probes left an optimizer hook behind")
 
     started = time.perf_counter()
     for _ in range(3):
@@ -84,10 +110,18 @@ def step_time_ratio(rounds: int, block: int) -> bool:
     nothing = Variant("off_again", lambda: None, lambda: None)
     # A 0.9 ms compiled step feels the switch itself (caches refilled after install/uninstall) for
     # a few steps; the budget is for steady-state steps, so 10 untimed steps follow each switch.
+    compiled_before = _frames_compiled()
     times = interleaved(step, [Variant("off", lambda: None, lambda: None), nothing, Variant("on", enter, leave)],
                         rounds=rounds, steps_per_block=block, settle=10)
+    recompiled = _frames_compiled() - compiled_before
     ok = report("compiled MLP training step (CPU, inductor), probes off vs on", times, "off",
                 {"on": BUDGET}, block)
+    if recompiled:
+        # Then a timed step compiled: not the steady state the budget is about.
+        print(f"NOT STEADY STATE: {recompiled} frames compiled during the timed rounds")
+        ok = False
+    else:
+        print("steady state: no frame compiled during the timed rounds")
     per_step_self_time(step, agent, probes, statistics.median(times["off"]), steps=rounds * block)
     return ok
 
@@ -156,7 +190,9 @@ def per_event_cost(repeats: int) -> None:
                 break_log.debug(GRAPH_BREAK_MESSAGE)
         return (time.perf_counter() - start) / repeats
 
-    agent = make_agent()
+    # Room for every record and log event of the 5 timed batches: a full buffer drops instead of queueing,
+    # which would make both the training-thread and the aggregation figures too cheap.
+    agent = make_agent(capacity=max(65536, 20 * repeats))
     probes = [CompileProbe(agent), CudaGraphProbe(agent)]
     off = statistics.median(emit_events() for _ in range(5))
     for probe in probes:
@@ -168,6 +204,8 @@ def per_event_cost(repeats: int) -> None:
     drain = (time.perf_counter() - start) / max(queued, 1)
     for probe in probes:
         probe.uninstall()
+    if agent.dropped_total:
+        print(f"WARNING: the agent dropped {agent.dropped_total} records or events; the costs below are too low")
     print("\ncost per compilation event (one CompilationMetrics record + one graph-break log line)")
     print(f"  training thread, taps off: {off * 1e6:8.2f} us")
     print(f"  training thread, taps on:  {on * 1e6:8.2f} us   (+{(on - off) * 1e6:.2f} us per event)")

@@ -28,7 +28,6 @@ import selectors
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import running_daemon
+from bench.harness import bench_dir, percentile, running_daemon
 from bench.ingest import _cpu_seconds, _rss_mib
 from torchpulse.catalog import CATALOG
 from torchpulse.protocol import Batch, Hello, HistogramSample, LogEvent, Sample, encode
@@ -181,11 +180,6 @@ def _sum(body: str, name: str, **labels: str) -> float:
     return total
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 class Scraper(threading.Thread):
     """Prometheus stand-in: scrapes /metrics every `interval` seconds and keeps the latencies."""
 
@@ -321,18 +315,20 @@ def run_load(sock_path: Path, url: str, pid: int, args: argparse.Namespace) -> i
             break
         time.sleep(0.01)
     time.sleep(1.0)
-    _, body = _scrape(url)
+    # The daemon's CPU before the final scrape: rendering it is not part of the load.
     cpu_total = _cpu_seconds(pid) - cpu0
+    _, body = _scrape(url)
     events_total = _sum(body, "torchpulse_daemon_events_received_total") - events0
-    report(args, agents, series, scraper, body, end - start, cpu_total, events_total)
+    ok = report(args, agents, series, scraper, body, end - start, cpu_total, events_total)
     for agent in agents:
         assert agent.sock is not None
         agent.sock.close()
-    return 0
+    return 0 if ok else 1
 
 
 def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[float, float, float, float, float]],
-           scraper: Scraper, body: str, elapsed: float, cpu_total: float, events_total: float) -> None:
+           scraper: Scraper, body: str, elapsed: float, cpu_total: float, events_total: float) -> bool:
+    """Print the figures; False when a guarantee failed (a failed scrape, totals that do not match)."""
     print(f"\nran {elapsed:.0f} s with {len(agents)} agents ({len(agents) // RANKS_PER_RUN} runs x {RANKS_PER_RUN} "
           f"ranks) at {args.steps_per_second:g} steps/s each, flush every {FLUSH_INTERVAL * 1e3:.0f} ms")
     frames = sum(a.frames for a in agents)
@@ -342,7 +338,7 @@ def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[
     lat = scraper.latencies
     if lat:
         print(f"/metrics while loaded: {len(lat)} scrapes every {args.scrape_interval:g} s, "
-              f"p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {_percentile(lat, 0.99) * 1e3:.1f} ms, "
+              f"p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {percentile(lat, 0.99) * 1e3:.1f} ms, "
               f"max {max(lat) * 1e3:.1f} ms, failures {scraper.failures}, "
               f"{sum(1 for line in body.splitlines() if line and line[0] != '#'):,} samples, {len(body) / 1e6:.1f} MB")
     # RSS plateau: after the warm-up third, the second half's median must not exceed the first's beyond
@@ -376,6 +372,7 @@ def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[
     applied_steps = _sum(body, "torchpulse_optimizer_steps_total")
     print(f"  running totals: steps sent {sent_steps:,}, daemon holds {applied_steps:,.0f} "
           f"({'match' if sent_steps == applied_steps else 'MISMATCH'})")
+    return sent_steps == applied_steps and scraper.failures == 0
 
 
 def main() -> int:
@@ -386,7 +383,9 @@ def main() -> int:
     parser.add_argument("--scrape-interval", type=float, default=1.0)
     args = parser.parse_args()
     config = '[daemon]\nlog_level = "info"\n'
-    with running_daemon(Path(tempfile.mkdtemp(prefix="torchpulse-load-")), config, log=True) as daemon:
+    # Removed at the end; kept (with the daemon log) when the run failed.
+    with bench_dir("torchpulse-load-", keep_on_error=True) as workdir, \
+            running_daemon(workdir, config, log=True) as daemon:
         log_path = daemon.log_path
         assert log_path is not None
         print(f"daemon pid {daemon.proc.pid}, {os.cpu_count()} cores, log {log_path}; load for {args.minutes:g} min")

@@ -11,8 +11,8 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,10 +21,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchpulse
-from bench.harness import Variant, interleaved, report, running_daemon
+from bench.harness import Variant, bench_dir, interleaved, report, running_daemon
 
 
-def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -68,25 +68,65 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
-    with running_daemon(Path(tempfile.mkdtemp(prefix="torchpulse-bench-"))) as daemon:
+    with bench_dir("torchpulse-bench-") as workdir, running_daemon(workdir) as daemon:
         agent = torchpulse.attach(socket=str(daemon.socket_path), probes=("optimizer",))
         assert agent is not None
-        probe = agent.probes["optimizer"]
-        _, _, step = _model_step(args.d_model, 8, 128)
-        variants = [Variant("probes off", probe.uninstall, probe.install),
-                    Variant("optimizer probe on", lambda: None, lambda: None)]
-        probe.uninstall()
-        probe.install()
-        # "probes off" uninstalls on enter and reinstalls on leave.
-        times = interleaved(step, variants, args.rounds, args.steps_per_block)  # type: ignore[arg-type]
-        ok = report(f"2-layer TransformerEncoder (d_model {args.d_model}, batch 8, seq 128), CPU, "
-                    f"torch {torch.__version__}, {os.cpu_count()} cores",
-                    times, "probes off", {"optimizer probe on": 1.01}, args.steps_per_block)
-        print(f"\n  one optimizer hook call: {_hook_cost(probe):.2f} µs (pre + post hook per step)")
-        agent.flush()
-        print(f"  events dropped by the agent: {agent.dropped_total}")
-        torchpulse.detach()
-        return 0 if ok else 1
+        try:
+            probe = agent.probes["optimizer"]
+            _, optimizer, model_step = _model_step(args.d_model, 8, 128)
+            # Steps run with the probe installed and without, to check against what the probe counted.
+            steps_run = {True: 0, False: 0}
+
+            def step() -> None:
+                steps_run[probe.enabled] += 1
+                model_step()
+
+            # The agent keeps a step-boundary hook of its own (`ctl` commands) in both arms: ~2 µs a step,
+            # not the optimizer probe's. The probe's two hooks must be gone in one arm and there in the other.
+            step()  # the agent adds that hook's pre-hook at the first step
+            probe.uninstall()
+            without_probe = _global_optimizer_hooks()
+            probe.install()
+            with_probe = _global_optimizer_hooks()
+            if with_probe != without_probe + 2:
+                raise RuntimeError(f"the optimizer probe registered {with_probe - without_probe} hooks, not 2")
+
+            def probe_off() -> None:
+                probe.uninstall()
+                if _global_optimizer_hooks() != without_probe:
+                    raise RuntimeError("'probes off' still has the optimizer probe's hooks registered")
+
+            def probe_back() -> None:
+                probe.install()
+                if _global_optimizer_hooks() != with_probe:
+                    raise RuntimeError("the optimizer probe did not register its hooks again")
+
+            variants = [Variant("probes off", probe_off, probe_back),
+                        Variant("optimizer probe on", lambda: None, lambda: None)]
+            # "probes off" uninstalls on enter and reinstalls on leave.
+            times = interleaved(step, variants, args.rounds, args.steps_per_block)
+            ok = report(f"2-layer TransformerEncoder (d_model {args.d_model}, batch 8, seq 128), CPU, "
+                        f"torch {torch.__version__}, {os.cpu_count()} cores",
+                        times, "probes off", {"optimizer probe on": 1.01}, args.steps_per_block)
+            agent.flush()
+            counted = agent.store.value("optimizer_steps_total", (probe.label_of(optimizer),)) or 0
+            seen = counted == steps_run[True]
+            print(f"\n  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
+                  f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})")
+            print(f"  one optimizer hook call: {_hook_cost(probe):.2f} µs (pre + post hook per step)")
+            agent.flush()
+            print(f"  events dropped by the agent: {agent.dropped_total}")
+            return 0 if ok and seen else 1
+        finally:
+            torchpulse.detach()
+
+
+def _global_optimizer_hooks() -> int:
+    """Optimizer step hooks registered process-wide (torch's private tables; 0 when they are not found)."""
+    from torch.optim import optimizer as optim_module
+
+    return sum(len(getattr(optim_module, table, {}))
+               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
 
 
 if __name__ == "__main__":
