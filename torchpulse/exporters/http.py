@@ -29,6 +29,19 @@ MAX_CONNECTIONS: Final = 256
 # A client that leaves a response unread this long is cut off: a stalled reader
 # would otherwise hold a connection slot and a rendered body forever.
 WRITE_TIMEOUT: Final = 30.0
+# Response bodies held for clients that have not read them yet, all connections together (a body several
+# connections share counts once). A client that asks for /metrics and never reads held a copy of the whole
+# exposition (tens of megabytes on a busy node) until WRITE_TIMEOUT: a hundred such connections took gigabytes.
+# Bodies are now written a chunk at a time as the client reads, so connections share one rendered body;
+# past this budget, the connection that has been writing the longest is cut off (a scraper reading at a
+# normal speed is never the oldest).
+MAX_HELD_BYTES: Final = 128 << 20
+WRITE_CHUNK: Final = 256 << 10
+# A rendered exposition is served again to scrapes that arrive within the time its rendering took (at most
+# this long): scrapes queued behind a render, or a crowd of scrapers, then cost one render, not one each.
+# The loop spends at most about half of its time rendering however many clients scrape.
+MAX_REUSE_SECONDS: Final = 5.0
+CUT_OFF_LOG_INTERVAL: Final = 60.0
 # After an error answer, how long what the client still sends is read and dropped (see `_refuse`).
 LINGER_TIMEOUT: Final = 2.0
 REASONS: Final = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -60,6 +73,12 @@ class MetricsServer:
         self._waiting: dict[asyncio.StreamWriter, float] = {}
         # Every open connection and the task serving it, for `close`.
         self._connections: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
+        # Connections writing a response: since when (the longest stuck is cut off first), and its body.
+        self._writing: dict[asyncio.StreamWriter, tuple[float, bytes]] = {}
+        # The last /metrics body: (when it was rendered, how long that took, the body, its gzip or None).
+        self._rendered: tuple[float, float, bytes, bytes | None] | None = None
+        self._cut_off = 0  # connections cut off for the budget since the last line saying so
+        self._cut_off_logged_at = -CUT_OFF_LOG_INTERVAL
         self._closing = False
         self.port = 0
 
@@ -123,9 +142,12 @@ class MetricsServer:
             # No graceful close: it would wait for a stalled peer to read what is buffered.
             writer.transport.abort()
         finally:
-            self._open -= 1
-            await close_connection(writer, WRITE_TIMEOUT)
-            self._connections.pop(writer, None)
+            try:
+                await close_connection(writer, WRITE_TIMEOUT)
+            finally:
+                # Counted until its socket is closed: a descriptor is held until then.
+                self._open -= 1
+                self._connections.pop(writer, None)
 
     def _evict_oldest_waiting(self) -> bool:
         """At the limit, drop the connection that has waited longest for a request (slowloris first)."""
@@ -195,11 +217,11 @@ class MetricsServer:
             await self._respond(writer, 405, b"method not allowed\n", keep_alive=keep_alive)
         elif path == "/metrics":
             # Always text format 0.0.4: Prometheus accepts it whatever it asks for first.
-            body, content_type = self.exposition.render(), CONTENT_TYPE
-            encoding = None
-            if _accepts_gzip(headers.get("accept-encoding", "")):
-                body, encoding = gzip.compress(body, compresslevel=1), "gzip"
-            await self._respond(writer, 200, body, content_type, keep_alive, encoding, head)
+            compressed = _accepts_gzip(headers.get("accept-encoding", ""))
+            body = self._metrics_body(compressed)
+            if not head:
+                self._make_room(writer, body)
+            await self._respond(writer, 200, body, CONTENT_TYPE, keep_alive, "gzip" if compressed else None, head)
         elif path == "/healthz":
             ok = self.health()
             await self._respond(writer, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n",
@@ -209,8 +231,48 @@ class MetricsServer:
         else:
             await self._respond(writer, 404, b"not found\n", keep_alive=keep_alive, head=head)
 
-    @staticmethod
-    async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
+    def _metrics_body(self, compressed: bool) -> bytes:
+        """The exposition (gzipped when asked), rendered now or reused from a render younger than its duration."""
+        now = time.monotonic()
+        cached = self._rendered
+        if cached is None or now - cached[0] >= min(cached[1], MAX_REUSE_SECONDS):
+            body = self.exposition.render()
+            done = time.monotonic()
+            cached = self._rendered = (done, done - now, body, None)
+        if not compressed:
+            return cached[2]
+        if cached[3] is None:
+            start = time.monotonic()
+            gz = gzip.compress(cached[2], compresslevel=1)
+            # The compression counts towards how long this body is worth keeping.
+            cached = self._rendered = (cached[0], cached[1] + time.monotonic() - start, cached[2], gz)
+        assert cached[3] is not None
+        return cached[3]
+
+    def _held(self) -> int:
+        """Bytes of the bodies connections are writing, each body once."""
+        return sum(len(body) for body in {id(body): body for _, body in self._writing.values()}.values())
+
+    def _make_room(self, writer: asyncio.StreamWriter, body: bytes) -> None:
+        """Cut off the connections writing the longest until `body` fits in MAX_HELD_BYTES with the others."""
+        if any(held is body for _, held in self._writing.values()):
+            return  # shared with a response in progress: it costs nothing more
+        while self._held() + len(body) > MAX_HELD_BYTES:
+            others = [w for w in self._writing if w is not writer]
+            if not others:
+                return  # one response alone may be larger than the budget: it is served
+            oldest = min(others, key=lambda w: self._writing[w][0])
+            del self._writing[oldest]
+            oldest.transport.abort()  # its task ends on the lost connection
+            self._cut_off += 1
+        now = time.monotonic()
+        if self._cut_off and now - self._cut_off_logged_at >= CUT_OFF_LOG_INTERVAL:
+            # Once a minute at most, with how many: a client opening connections in a loop must not flood the log.
+            log.warning("scrape clients cut off: they do not read their responses and the bodies held for them "
+                        "passed the budget", connections=self._cut_off, max_held_bytes=MAX_HELD_BYTES)
+            self._cut_off, self._cut_off_logged_at = 0, now
+
+    async def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes,
                        content_type: str = "text/plain; charset=utf-8", keep_alive: bool = True,
                        encoding: str | None = None, head: bool = False) -> None:
         lines = [
@@ -225,11 +287,20 @@ class MetricsServer:
             lines.append(f"Content-Encoding: {encoding}")
         if content_type == CONTENT_TYPE:
             lines.append("Vary: Accept-Encoding")  # the body depends on it: caches must not mix the two
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        if not head:
-            writer.write(body)
-        async with asyncio.timeout(WRITE_TIMEOUT):
-            await writer.drain()
+        payload = b"" if head else body
+        self._writing[writer] = (time.monotonic(), payload)
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+                # A chunk at a time, as the client takes them: the transport copies what it cannot send at
+                # once, and a whole body per connection that does not read added up to gigabytes.
+                view = memoryview(payload)
+                for start in range(0, len(view), WRITE_CHUNK):
+                    writer.write(view[start:start + WRITE_CHUNK])
+                    await writer.drain()
+                await writer.drain()
+        finally:
+            self._writing.pop(writer, None)
 
 
 async def _read_line(reader: asyncio.StreamReader, too_long: int) -> bytes:
