@@ -193,6 +193,7 @@ class Agent:
             sender, self._sender = self._sender, None
         for probe in list(self.probes.values()):
             probe.uninstall()
+            probe.discard()
         self.probes.clear()
         self.control.uninstall(timeout)
         if sender is not None and os.getpid() == self.pid:

@@ -6,6 +6,7 @@ import functools
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
@@ -61,6 +62,8 @@ class Probe:
         self.enabled = False
         self._handles: list[Removable] = []
         self._handle: ProbeHandle | None = None
+        # Finalizers on the job's objects (optimizers), per object: `discard` detaches them.
+        self._finalizers: weakref.WeakKeyDictionary[Any, list[weakref.finalize[..., Any]]] = weakref.WeakKeyDictionary()
 
     def install(self) -> ProbeHandle:
         if self._handle is not None:
@@ -92,6 +95,19 @@ class Probe:
         handles, self._handles = self._handles, []
         for handle in reversed(handles):
             handle.remove()
+
+    def at_death(self, obj: Any, callback: Callable[..., Any], *args: Any) -> None:
+        """Call `callback(*args)` when `obj` (an object of the job's) dies, unless this probe is discarded first."""
+        self._finalizers.setdefault(obj, []).append(weakref.finalize(obj, callback, *args))
+
+    def discard(self) -> None:
+        """The agent is done with this probe (detach): detach its finalizers. Each holds what it calls, so a
+        job that attaches and detaches again and again would otherwise keep every detached agent alive for as
+        long as an optimizer it saw lives."""
+        for finalizers in list(self._finalizers.values()):
+            for finalizer in finalizers:
+                finalizer.detach()
+        self._finalizers.clear()
 
     def _install(self) -> None:
         raise NotImplementedError

@@ -138,7 +138,7 @@ class CudaGraphProbe(Probe):
                                 minimum=1)
         self._callbacks: _Callbacks | None = None
         self._taps: list[LogTap] = []
-        self._labels = OptimizerLabels()  # when the optimizer probe is off
+        self._labels = OptimizerLabels(self.at_death)  # when the optimizer probe is off
         # Per optimizer, kept across disable/enable (as the optimizer probe keeps its labels): a
         # re-install must not give a live optimizer a second label, series and hint.
         self._due_in: dict[int, int] = {}  # id(optimizer) -> steps until its next check
@@ -330,7 +330,7 @@ class CudaGraphProbe(Probe):
             # countdown still goes with it, as a tracked optimizer's does.
             if optimizer not in self._wrapped_seen:
                 self._wrapped_seen.add(optimizer)
-                weakref.finalize(optimizer, self._due_in.pop, id(optimizer), None)
+                self.at_death(optimizer, self._due_in.pop, id(optimizer), None)
             return
         tracked = self._tracked.get(optimizer) or self._track(optimizer)
         tracked.steps += 1
@@ -390,7 +390,7 @@ class CudaGraphProbe(Probe):
         tracked = _Tracked(label_of(optimizer))
         self._tracked[optimizer] = tracked
         # The countdown is keyed by id() for the hot path's sake: drop it with the optimizer.
-        weakref.finalize(optimizer, self._due_in.pop, id(optimizer), None)
+        self.at_death(optimizer, self._due_in.pop, id(optimizer), None)
         return tracked
 
     # -- agent thread ------------------------------------------------------------

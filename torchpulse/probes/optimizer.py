@@ -176,15 +176,16 @@ class OptimizerLabels:
     """`Type#n` with the smallest n no live optimizer holds: a job that builds optimizers over
     and over (a search, OOM retries) keeps as many series as it has optimizers at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_death: Callable[..., None]) -> None:
         self._free: list[int] = []
         self._next = itertools.count()
         self._lock = threading.Lock()  # optimizers die in whichever thread collects them
+        self._at_death = at_death  # `Probe.at_death` of the probe that owns the labels
 
     def take(self, optimizer: Optimizer) -> str:
         with self._lock:
             index = heapq.heappop(self._free) if self._free else next(self._next)
-        weakref.finalize(optimizer, self._give_back, index)
+        self._at_death(optimizer, self._give_back, index)
         return f"{type(optimizer).__name__}#{index}"
 
     def _give_back(self, index: int) -> None:
@@ -199,7 +200,7 @@ class OptimizerProbe(Probe):
         super().__init__(agent)
         self.state_every = agent.config.optimizer_state_every
         self._tracked: weakref.WeakKeyDictionary[Optimizer, _Tracked] = weakref.WeakKeyDictionary()
-        self._labels = OptimizerLabels()
+        self._labels = OptimizerLabels(self.at_death)
         self._named: weakref.WeakKeyDictionary[Optimizer, str] = weakref.WeakKeyDictionary()
         self._load_hooks = _PerOptimizerHooks()
         # The optimizer whose (outermost) step runs on this thread, weakly: a step that raised leaves it set.
@@ -236,7 +237,7 @@ class OptimizerProbe(Probe):
             self.start_at_zero(family, ((tracked.label,),))
         # A step that raised is counted at the optimizer's next step, which never comes when the job
         # drops it (an OOM retry or a fallback builds a new one): then it is counted when it dies.
-        weakref.finalize(optimizer, self._dropped, tracked)
+        self.at_death(optimizer, self._dropped, tracked)
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
             ref = weakref.ref(tracked)
