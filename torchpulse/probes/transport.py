@@ -127,7 +127,14 @@ class Sender(threading.Thread):
         self.wake()
         self.join(timeout)
         if not self.is_alive():
-            with self._pipe_lock:
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """Close the wake-up pipe, once: by `stop`, or by the thread itself when `stop` stopped waiting for it
+        (a hung daemon holds the last cycle up to send_timeout + connect_timeout): a job that attaches and
+        detaches again and again must not leave two descriptors behind each time."""
+        with self._pipe_lock:
+            if self._pipe_open:
                 self._pipe_open = False
                 os.close(self._wake_r)
                 os.close(self._wake_w)
@@ -170,6 +177,7 @@ class Sender(threading.Thread):
             self._internal_error(exc)
         finally:
             self._close()
+            self._close_pipe()
 
     def _internal_error(self, exc: Exception) -> None:
         if type(exc) not in self._errors_logged:
