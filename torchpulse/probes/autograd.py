@@ -311,8 +311,9 @@ class AutogradProbe(Probe):
         if lost:
             self._lost_search_at = plan.index
         if plan.sampled or plan.logged:
-            # Without the check nothing would prune what it tracks (a dead input leaf per pass).
-            track = self._check.track if self.config.nonfinite else _ignore
+            # Only a pass that accumulates is checked, and only the check prunes what is tracked: a job of
+            # `autograd.grad` passes alone (or no check at all) would keep a dead input leaf per timed pass.
+            track = self._check.track if self.config.nonfinite and accumulate else _ignore
             plan.timer = PassTimer(roots_of(t_outputs), detailed=plan.logged, on_parameter=track,
                                    on_cut=self._note_deep_graph)
         elif discover:
