@@ -314,7 +314,10 @@ class CudaGraphProbe(Probe):
         # Not wrapped by `guard`: its Dynamo-disable wrapper costs ~1 us a call,
         # measurable on a fast compiled step. This path is a dict lookup and an
         # int compare that cannot raise; `_skip_tracing_once` below keeps Dynamo from
-        # tracing it, and the real work runs guarded.
+        # tracing it, and the real work runs guarded. A disabled probe's hook may stay registered (an
+        # uninstall inside a hook): it must not start countdowns that only a tracked optimizer's finalizer drops.
+        if not self.enabled:
+            return
         key = id(optimizer)
         left = self._due_in.get(key, 0) - 1
         if left > 0:
