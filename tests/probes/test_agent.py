@@ -354,3 +354,26 @@ def test_optimizers_built_over_and_over_reuse_their_labels() -> None:
         assert handles == len(agent.probes["optimizer"]._handles)
     finally:
         agent.shutdown()
+
+
+def test_a_load_state_dict_after_disable_and_enable_is_measured_at_the_next_step() -> None:
+    """`ctl disable optimizer` then `enable`: optimizers tracked before keep their load hook, so state loaded
+    later (here amsgrad's third tensor per parameter, the same number of entries) shows at the next step,
+    not at the next periodic rescan 100 steps on."""
+    agent = _agent()
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    donor = torch.optim.Adam(model.parameters(), lr=0.1, amsgrad=True)
+    try:
+        _train(optimizer, model, 2)  # Adam#0
+        _train(donor, model, 1)
+        probe = agent.probes["optimizer"]
+        probe.uninstall()
+        probe.install()
+        _train(optimizer, model, 2)
+        optimizer.load_state_dict(donor.state_dict())
+        _train(optimizer, model, 1)
+        agent.drain()
+        assert float(3 * 15 * 4 + 2 * 4) == agent.store.value("optimizer_state_bytes", ("Adam#0",))
+    finally:
+        agent.shutdown()

@@ -213,6 +213,11 @@ class OptimizerProbe(Probe):
         self._keep(register_optimizer_step_post_hook(self.guard(self._after_step)))
         self._load_hooks = _PerOptimizerHooks()
         self._keep(self._load_hooks)
+        # Re-enabled (`ctl enable optimizer`): the optimizers tracked before lost their load hooks with the
+        # uninstall. Hook them again, and rescan: a `load_state_dict` may have run while the probe was off.
+        for optimizer, tracked in list(self._tracked.items()):
+            tracked.rescan = True
+            self._hook_loads(optimizer, tracked)
 
     def _uninstalled(self) -> None:
         # Labels stay stable across disable/enable; a step in flight is forgotten.
@@ -238,6 +243,11 @@ class OptimizerProbe(Probe):
         # A step that raised is counted at the optimizer's next step, which never comes when the job
         # drops it (an OOM retry or a fallback builds a new one): then it is counted when it dies.
         self.at_death(optimizer, self._dropped, tracked)
+        self._hook_loads(optimizer, tracked)
+        return tracked
+
+    def _hook_loads(self, optimizer: Optimizer, tracked: _Tracked) -> None:
+        """A `load_state_dict` changes the state's size at once: rescan at the next step, not the 100th."""
         register = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if register is not None:
             ref = weakref.ref(tracked)
@@ -248,7 +258,6 @@ class OptimizerProbe(Probe):
                     entry.rescan = True
 
             self._load_hooks.handles[optimizer] = register(_loaded)
-        return tracked
 
     def _dropped(self, tracked: _Tracked) -> None:
         if tracked.started is not None and self.enabled and self.agent.enabled:
