@@ -256,6 +256,18 @@ class StateStore:
         rows = self._read("SELECT key FROM checkpoints WHERE path = ?", (path,))
         return str(rows[0][0]) if rows else None
 
+    def keys_under(self, root: str) -> dict[str, str]:
+        """Path -> key of every record whose directory lies under `root`, in one query.
+
+        A sweep compares every checkpoint of a root with its record, on the
+        loop: one lookup per directory blocked it ~0.2 s at 8,200 checkpoints.
+        The range on the primary key reads just those rows ('0' follows '/').
+        """
+        prefix = root.rstrip("/")
+        rows = self._read("SELECT path, key FROM checkpoints WHERE path > ? AND path < ?",
+                          (prefix + "/", prefix + "0"))
+        return {str(path): str(key) for path, key in rows}
+
     def save(self, record: Record) -> bool:
         """Whether the record was written (a full or read-only disk refuses it)."""
         self._follow_removal()
@@ -291,17 +303,23 @@ class StateStore:
         rows = self._read("SELECT root, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root")
         return {str(root): float(ts) for root, ts in rows}
 
-    def prunable(self) -> list[tuple[str, float]]:
-        """(path, validated_at) of every row but each root's newest and newest valid one.
+    def prunable(self, exported: set[str]) -> list[tuple[str, float]]:
+        """(path, validated_at) of every row but the newest and newest valid one of each root in `exported`.
 
         Those two stay even when their directories are gone: they restore the
-        last-status and last-valid series at start.
+        last-status and last-valid series at start. A root no longer exported
+        (an expired announced root, one dropped from the config) restores
+        nothing, so its rows go with their directories: a node that runs a new
+        job every hour must not keep two rows of each one forever.
         """
+        labels = sorted(exported)
+        marks = ", ".join("?" * len(labels))
         rows = self._read(
             "SELECT path, validated_at FROM checkpoints WHERE path NOT IN ("
-            " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints GROUP BY root)"
+            f" SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints WHERE root IN ({marks}) GROUP BY root)"
             " UNION"
-            " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints WHERE status = 'valid' GROUP BY root))"
+            " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints"
+            f"  WHERE status = 'valid' AND root IN ({marks}) GROUP BY root))", (*labels, *labels)
         )
         return [(str(path), float(at)) for path, at in rows]
 
