@@ -83,6 +83,23 @@ SMALL_FRAME_BYTES: Final = 64 << 10
 # is cut off after this long: blocked in drain() or in a graceful close, its connection would
 # hold a descriptor, a connection slot and the unsent reply for ever.
 WRITE_TIMEOUT: Final = 10.0
+# A status reply of thousands of ranks takes the loop tens of milliseconds to build: one build serves every
+# StatusRequest read before it starts, and the next one waits as long as the last took (at most this long).
+# Each request had its own build: a crowd of `torchpulse status`, or a peer sending StatusRequest on ~1,000
+# connections, held agents' hellos and batches for seconds. The loop now spends at most about half of its
+# time on status however many ask, and no reply is older than the request it answers.
+MAX_STATUS_SPACING: Final = 5.0
+# Status replies held for clients that have not read them yet, all connections together (a reply several
+# connections share counts once). Each connection that sent StatusRequest and never read held its whole
+# reply in its transport until WRITE_TIMEOUT (1,000 connections: hundreds of megabytes). Replies are now
+# written a chunk at a time as the client reads, so connections share one reply and each copies at most a
+# chunk; past this budget, the connection that has been writing the longest is cut off (a client reading
+# at a normal speed is never the oldest). A reply is at most MAX_FRAME_BYTES (4 MiB).
+MAX_STATUS_HELD_BYTES: Final = 64 << 20
+STATUS_WRITE_CHUNK: Final = 64 << 10
+CUT_OFF_LOG_INTERVAL: Final = 60.0
+# At the connection limit, a status client still writing after this long gives way to a new connection.
+STUCK_STATUS_SECONDS: Final = 1.0
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
 REJECT_LOG_INTERVAL: Final = 10.0
 # A rejection's detail can quote the frame (msgspec names an unknown type by its value): cut in the
@@ -108,6 +125,46 @@ async def drain(writer: asyncio.StreamWriter) -> None:
         raise StalledReader from None
 
 
+class StatusReplies:
+    """Encoded status replies, built on the loop: one build for all the requests waiting when it starts."""
+
+    def __init__(self, status: Callable[[], StatusReply]) -> None:
+        self._status = status
+        self._pending: asyncio.Future[bytes] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._not_before = 0.0  # loop time: the last build's end plus its duration
+
+    async def next(self) -> bytes:
+        """A reply built after this call (so it shows whatever the caller saw happen before asking)."""
+        if self._pending is None:
+            loop = asyncio.get_running_loop()
+            self._pending = loop.create_future()
+            self._timer = loop.call_at(max(loop.time(), self._not_before), self._build)
+        # Shielded: one waiter's connection ending (its task cancelled) must not cancel the others' reply.
+        return await asyncio.shield(self._pending)
+
+    def _build(self) -> None:
+        pending, self._pending, self._timer = self._pending, None, None
+        assert pending is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            body = encode(self._status())
+        except Exception as exc:  # an oversized reply (FrameError), a daemon bug: each waiter reports it
+            pending.set_exception(exc)
+        else:
+            pending.set_result(body)
+        end = loop.time()
+        self._not_before = end + min(end - start, MAX_STATUS_SPACING)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pending = self._timer = None
+
+
 class AgentServer:
     def __init__(self, registry: Registry, status: Callable[[], StatusReply], control: ControlHub,
                  on_checkpoint: Callable[[str, int, CheckpointSaved], None] | None = None) -> None:
@@ -126,6 +183,11 @@ class AgentServer:
         self._announcing: set[asyncio.Task[None]] = set()  # announcement checks, ended at close
         self._buffered = 0
         self._buffer_freed = asyncio.Event()
+        self._status_replies = StatusReplies(status)
+        # Connections writing a status reply: since when (the longest stuck is cut off first), and the reply.
+        self._status_writing: dict[asyncio.StreamWriter, tuple[float, bytes]] = {}
+        self._cut_off = 0  # status clients cut off since the last line saying so
+        self._cut_off_logged_at = -CUT_OFF_LOG_INTERVAL
 
     async def start(self, path: Path | None, sock: socket.socket | None = None) -> None:
         """Listen on `path`, or on an already bound socket (socket activation)."""
@@ -184,6 +246,7 @@ class AgentServer:
             for check in list(self._announcing):
                 check.cancel()
             await asyncio.gather(*self._announcing, return_exceptions=True)
+            self._status_replies.close()
             await self._server.wait_closed()
         if self._bound is not None:
             _remove_own_socket(*self._bound)
@@ -198,7 +261,9 @@ class AgentServer:
         registered: tuple[RunState, RankState] | None = None
         announcements: Announcements | None = None
         try:
-            if len(self._tasks) > self.max_connections:
+            # At the limit, a client that does not read its status reply gives way: it would hold its slot
+            # until WRITE_TIMEOUT while agents' hellos were refused.
+            if len(self._tasks) > self.max_connections and not self._cut_off_status_clients(stuck_only=True):
                 raise FrameError("too_many_connections", f"the daemon already holds {self.max_connections} "
                                  "connections; retrying")
             while True:
@@ -222,8 +287,7 @@ class AgentServer:
                         log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
                                  host=frame.host, torch=frame.torch_version)
                     elif isinstance(frame, StatusRequest):
-                        writer.write(encode(self.status()))
-                        await drain(writer)
+                        await self._send_status(writer)
                         return
                     elif isinstance(frame, CtlRequest):
                         await self._ctl(frame, peer, writer)
@@ -274,6 +338,59 @@ class AgentServer:
             await close_connection(writer, WRITE_TIMEOUT)
             if task is not None:
                 self._tasks.discard(task)
+
+    async def _send_status(self, writer: asyncio.StreamWriter) -> None:
+        """The status reply, shared with the requests around this one, written as the client reads it."""
+        body = await self._status_replies.next()
+        self._make_room(writer, body)
+        self._status_writing[writer] = (time.monotonic(), body)
+        try:
+            # drain() then returns only once the transport's buffer is empty: it copies at most one chunk
+            # of the shared reply, whatever the client leaves unread.
+            writer.transport.set_write_buffer_limits(high=0)
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                view = memoryview(body)
+                for start in range(0, len(view), STATUS_WRITE_CHUNK):
+                    writer.write(view[start:start + STATUS_WRITE_CHUNK])
+                    await writer.drain()
+        except TimeoutError:
+            raise StalledReader from None
+        finally:
+            self._status_writing.pop(writer, None)
+
+    def _held(self) -> int:
+        """Bytes of the status replies connections are writing, each reply once."""
+        return sum(len(body) for body in {id(body): body for _, body in self._status_writing.values()}.values())
+
+    def _make_room(self, writer: asyncio.StreamWriter, body: bytes) -> None:
+        """Cut off the status clients writing the longest until `body` fits in MAX_STATUS_HELD_BYTES."""
+        if any(held is body for _, held in self._status_writing.values()):
+            return  # shared with a reply in progress: it costs nothing more
+        while self._held() + len(body) > MAX_STATUS_HELD_BYTES and self._cut_off_status_clients(stuck_only=False):
+            pass
+
+    def _cut_off_status_clients(self, stuck_only: bool) -> bool:
+        """Abort the connection writing a status reply the longest; False when there is none to cut off.
+
+        `stuck_only`: only one whose client took nothing for a while (at the connection limit a reply
+        being read right now is let through).
+        """
+        now = time.monotonic()
+        candidates = [w for w, (since, _) in self._status_writing.items()
+                      if not stuck_only or now - since >= STUCK_STATUS_SECONDS]
+        if not candidates:
+            return False
+        oldest = min(candidates, key=lambda w: self._status_writing[w][0])
+        del self._status_writing[oldest]
+        oldest.transport.abort()  # its task ends on the lost connection
+        self._cut_off += 1
+        if now - self._cut_off_logged_at >= CUT_OFF_LOG_INTERVAL:
+            # Once a minute at most, with how many: a client connecting in a loop must not flood the journal.
+            log.warning("status clients cut off: they do not read their replies, and the replies held for them "
+                        "passed the budget or their connections the limit", connections=self._cut_off,
+                        max_held_bytes=MAX_STATUS_HELD_BYTES, max_connections=self.max_connections)
+            self._cut_off, self._cut_off_logged_at = 0, now
+        return True
 
     async def _ctl(self, request: CtlRequest, peer: Peer | None, writer: asyncio.StreamWriter) -> None:
         try:
