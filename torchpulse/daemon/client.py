@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from typing import TypeVar
@@ -11,6 +12,8 @@ from torchpulse.protocol import (
     CtlReply,
     CtlRequest,
     ErrorReply,
+    FieldValue,
+    RankResult,
     StatusReply,
     StatusRequest,
     decode_daemon_frame,
@@ -93,12 +96,56 @@ def send_ctl(path: Path, request: CtlRequest, timeout: float) -> CtlReply:
     return _request(path, request, CtlReply, timeout)
 
 
+# `ctl status` fields in the order a reader looks for them; any other field follows, by name.
+_FIRST_FIELDS = ("step", "step_rate", "probes", "tracing", "buffer_fill", "buffer_capacity", "events_dropped", "pid")
+
+
 def format_ctl(reply: CtlReply) -> str:
+    """One line per rank: its status, what happened in words, then the rest of the agent's answer as key=value."""
     if not reply.results:
         return f"run {printable(reply.run)}: no such run, or no ranks connected"
     lines = []
     for result in reply.results:
-        data = " ".join(f"{k}={v}" for k, v in sorted(result.data.items()))
-        line = f"rank {result.rank:>3}  {result.status:<13} {result.message}" + (f"  {data}" if data else "")
-        lines.append(printable(line))
+        message, data = _summary(reply.command, result)
+        fields = " ".join(f"{key}={_field_value(data[key])}" for key in _field_order(data))
+        text = f"{message}  {fields}" if message and fields else message or fields
+        lines.append(printable(f"rank {result.rank:>3}  {result.status:<13} {text}".rstrip()))
     return "\n".join(lines)
+
+
+def _summary(command: str, result: RankResult) -> tuple[str, dict[str, FieldValue]]:
+    """The result's message and the data it does not already say.
+
+    Agents answer a command that worked with the message "ok", which the status column already
+    shows (the line read "ok  ok  changed=False"); what enable, disable, sample and autograd-log
+    did is in their data, said here in words. An answer of another shape (another agent version)
+    is shown as it came.
+    """
+    data = dict(result.data)
+    message = "" if result.message == result.status else result.message
+    if result.status != "ok":
+        return message, data
+    probe, changed = data.get("probe"), data.get("changed")
+    if command in ("enable", "disable") and isinstance(probe, str) and isinstance(changed, bool):
+        del data["probe"], data["changed"]
+        message = f"{probe} {command}d" if changed else f"{probe} was already {command}d"
+    elif command == "sample" and type(every := data.get("sample_every")) is int:
+        del data["sample_every"]
+        message = ("node timing off" if every == 0 else "timing the nodes of every pass" if every == 1
+                   else f"timing the nodes of 1 pass in {every}")
+    elif command == "autograd-log" and type(passes := data.get("passes")) is int:
+        del data["passes"]
+        message = f"logging every autograd node of the next {passes} pass{'' if passes == 1 else 'es'}"
+    return message, data
+
+
+def _field_order(data: dict[str, FieldValue]) -> list[str]:
+    return [key for key in _FIRST_FIELDS if key in data] + sorted(key for key in data if key not in _FIRST_FIELDS)
+
+
+def _field_value(value: FieldValue) -> str:
+    """A value as one word: text that is empty or has spaces, quotes or `=` is quoted (the slowest autograd
+    nodes are "MmBackward0#3 0.21ms, ..."), so that a reader, and `shlex.split`, see where each field ends."""
+    if isinstance(value, str) and (not value or any(c.isspace() or c in "\"'=" for c in value)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)

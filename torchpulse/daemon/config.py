@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchpulse.bounds import cut
 from torchpulse.daemon.log_settings import LOG_FORMATS, LOG_LEVELS
 from torchpulse.paths import DEFAULT_LISTEN, default_socket_path, default_state_dir, socket_path_too_long
 
@@ -25,10 +26,16 @@ class ConfigError(ValueError):
 
 def parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
+    digits = port.removeprefix("-")
     # ASCII digits only: str.isdigit() takes "\u00b2" (then int() fails) and Arabic-Indic "\u0661\u0660"
     # (int() reads it as port 10).
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    if not sep or not (digits.isascii() and digits.isdigit()):
         raise ConfigError(f"listen: expected HOST:PORT, got {value!r}")
+    # A number that is no port is a different mistake from a malformed address: say which. Its length is
+    # checked before int(), which raises ValueError past 4,300 digits (a traceback instead of this line).
+    if port.startswith("-") or len(digits.lstrip("0")) > 5 or int(digits) > 65535:
+        raise ConfigError(f"listen: port {cut(port, 20)} in {cut(value, 80)!r} is out of range: a port is 1 to "
+                          "65535 (0 picks a free one)")
     host = host.strip("[]")
     if not host:
         # ":PORT" means every interface to Go exporters (node_exporter's --web.listen-address) and
