@@ -185,6 +185,9 @@ def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: li
     for _ in range(args.scrapes):
         latency, body = _scrape(url)
         latencies.append(latency)
+        # The daemon serves a render again to a scrape that comes within the time the render took; a
+        # Prometheus scrapes a target every 15 s or more, so each scrape here must pay a fresh render.
+        time.sleep(latency)
     series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
     p50 = statistics.median(latencies)
     print(f"\n2. /metrics with 64 runs x 8 ranks connected ({series:,} samples, {len(body) / 1e6:.1f} MB)")
@@ -198,6 +201,7 @@ def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: li
         if not all(p.is_alive() for p in flood):
             break
         loaded.append(latency)
+        time.sleep(latency)  # a fresh render each time, as above
     for p in flood:
         p.join()
     if loaded:
