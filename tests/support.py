@@ -241,3 +241,19 @@ def run_inline_ranks(source: str, tmp: Path, timeout: float, world: int = 2) -> 
     ]
     outputs = [p.communicate(timeout=timeout) for p in procs]
     return [(out, err, p.returncode) for (out, err), p in zip(outputs, procs, strict=True)]
+
+
+def read_daemon_frame(sock: socket.socket) -> object:
+    """One whole frame from the daemon on a raw agent connection, decoded; fails if the daemon hangs up."""
+    from torchpulse.protocol import HEADER, HEADER_SIZE, decode_daemon_frame
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the daemon closed the connection"
+            data += chunk
+        return data
+
+    _magic, _version, _reserved, length = HEADER.unpack(exactly(HEADER_SIZE))
+    return decode_daemon_frame(exactly(length))

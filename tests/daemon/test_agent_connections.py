@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, rejected_frames, select, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, read_daemon_frame, rejected_frames, select, start_daemon, wait_for
 from torchpulse.daemon import server as server_module
 from torchpulse.daemon.client import request_status, send_ctl
 from torchpulse.daemon.control import ControlHub
@@ -24,7 +24,6 @@ from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.protocol import (
     HEADER,
-    HEADER_SIZE,
     Batch,
     Command,
     CommandResult,
@@ -37,7 +36,6 @@ from torchpulse.protocol import (
     Sample,
     StatusReply,
     Welcome,
-    decode_daemon_frame,
     encode,
 )
 
@@ -64,21 +62,6 @@ def _connect(path: Path, hello: Hello) -> socket.socket:
     return sock
 
 
-def _read_frame(sock: socket.socket) -> object:
-    header = _recv_exactly(sock, HEADER_SIZE)
-    _magic, _version, _reserved, length = HEADER.unpack(header)
-    return decode_daemon_frame(_recv_exactly(sock, length))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, "the daemon closed the connection"
-        data += chunk
-    return data
-
-
 def _connected(daemon: DaemonProcess, run: str) -> list[int]:
     return sorted(r.rank for s in request_status(daemon.socket_path).runs if s.run == run
                   for r in s.ranks if r.connected)
@@ -101,7 +84,7 @@ def test_a_log_field_named_self_is_logged_and_the_batch_kept(daemon: DaemonProce
     events = [LogEvent(0.0, "info", f"odd.{n}", fields) for n, fields in
               enumerate([{"a": 1}, {"self": "x", "event": "y"}, {"b": 2}])]
     with _connect(daemon.socket_path, _hello("fields", 0, os.getpid())) as sock:
-        _read_frame(sock)
+        read_daemon_frame(sock)
         sock.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 3.0)], [], events)))
         wait_for(lambda: {"odd.0", "odd.1", "odd.2"} <= {str(e.get("event")) for e in daemon.log_lines()})
         assert 3.0 == select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="fields")[
@@ -116,11 +99,11 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
     late frames change nothing, and its close does not mark the rank gone. Another process claiming the
     rank meanwhile is refused; once the rank's connection closes, it may have it."""
     old = _connect(daemon.socket_path, _hello("takeover", 0))
-    _read_frame(old)
+    read_daemon_frame(old)
     old.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
     wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="takeover")))
     new = _connect(daemon.socket_path, _hello("takeover", 0))
-    _read_frame(new)
+    read_daemon_frame(new)
     new.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 9.0)], [], [])))
     assert b"" == old.recv(1024)  # closed by the daemon at the takeover
     with pytest.raises(OSError):  # the first late frame may still fit in the socket buffer
@@ -138,7 +121,7 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
     # Another process while the one that opened the rank's connection runs (this one): refused, nothing
     # of the rank changes. Taking turns, the two would overwrite each other's totals.
     other = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
-    refusal = _read_frame(other)
+    refusal = read_daemon_frame(other)
     assert isinstance(refusal, ErrorReply) and "rank_taken" == refusal.code, refusal
     assert "held by pid 4242" in refusal.message
     other.close()
@@ -149,7 +132,7 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
     new.close()
     wait_for(lambda: [] == _connected(daemon, "takeover"))
     newer = _connect(daemon.socket_path, _hello("takeover", 0, pid=4343))
-    assert isinstance(_read_frame(newer), Welcome)
+    assert isinstance(read_daemon_frame(newer), Welcome)
     newer.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 2.0)], [], [])))
     wait_for(lambda: 2.0 == steps())
     assert [0] == _connected(daemon, "takeover")
@@ -186,7 +169,7 @@ def test_a_restarted_rank_takes_over_a_connection_that_only_a_forked_child_of_th
     try:
         assert [0] == _connected(daemon, "orphaned")
         with _connect(daemon.socket_path, _hello("orphaned", 0, pid=dead_pid + 1)) as restarted:
-            assert isinstance(_read_frame(restarted), Welcome)
+            assert isinstance(read_daemon_frame(restarted), Welcome)
             assert [0] == _connected(daemon, "orphaned")
             assert {} == rejected_frames(daemon)
     finally:
@@ -199,12 +182,12 @@ def test_a_rank_given_up_with_a_goodbye_goes_to_another_process_while_its_connec
     though its connection may outlive it: a forked child holding the socket, a close not read yet. Then
     another process claiming the rank is no second claimant: it takes the rank over, not rank_taken."""
     with _connect(daemon.socket_path, _hello("given-up", 0, os.getpid())) as leaving:
-        assert isinstance(_read_frame(leaving), Welcome)
+        assert isinstance(read_daemon_frame(leaving), Welcome)
         leaving.sendall(encode(Goodbye("identity")))
         wait_for(lambda: [(0, True)] == [(r.rank, r.exited) for s in request_status(daemon.socket_path).runs
                                          if s.run == "given-up" for r in s.ranks])
         with _connect(daemon.socket_path, _hello("given-up", 0, pid=4343)) as taker:
-            assert isinstance(_read_frame(taker), Welcome)
+            assert isinstance(read_daemon_frame(taker), Welcome)
             assert b"" == leaving.recv(1024)  # closed by the daemon at the takeover
             assert [(0, 4343, True, False)] == [(r.rank, r.pid, r.connected, r.exited) for s in
                                                 request_status(daemon.socket_path).runs if s.run == "given-up"
@@ -217,8 +200,8 @@ def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: Daem
     from the victim is refused (the last good total plans the trace)."""
     victim = _connect(daemon.socket_path, _hello("victim", 0))
     other = _connect(daemon.socket_path, _hello("other", 0))
-    _read_frame(victim)
-    _read_frame(other)
+    read_daemon_frame(victim)
+    read_daemon_frame(other)
     victim.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
     victim.sendall(encode(Batch(2, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), math.inf)], [], [])))
     wait_for(lambda: 1.0 == select(daemon.scrape(), "torchpulse_daemon_series_rejected_total").get(
@@ -227,12 +210,12 @@ def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: Daem
     for name in ("status", "trace"):
         ctl = Ctl(daemon, CtlRequest("victim", None, name, {}, 10.0))
         ctl.start()
-        command = _read_frame(victim)
+        command = read_daemon_frame(victim)
         assert isinstance(command, Command)
         if name == "trace":  # the daemon first asks the rank for its step counter, to plan the start
             assert "status" == command.name
             victim.sendall(encode(CommandResult(command.id, True, "ok", {})))
-            command = _read_frame(victim)
+            command = read_daemon_frame(victim)
             assert isinstance(command, Command)
             start = command.args["start_step"]
             assert isinstance(start, int) and 5 < start < 2**53  # the last good total, not inf, plus a lead
@@ -263,7 +246,7 @@ def test_a_flood_of_agents_stops_below_the_descriptor_limit_and_status_still_ans
     limit = 300 - server_module.FD_RESERVE - server_module.CLIENT_RESERVE
     socks = [_connect(low_fd_daemon.socket_path, _hello("flood", rank, pid=10_000 + rank)) for rank in range(limit + 5)]
     try:
-        replies = [type(_read_frame(sock)).__name__ for sock in socks]
+        replies = [type(read_daemon_frame(sock)).__name__ for sock in socks]
         assert {"Welcome": limit, "ErrorReply": 5} == {name: replies.count(name) for name in set(replies)}
         assert {"too_many_connections": 5} == rejected_frames(low_fd_daemon)
         status = request_status(low_fd_daemon.socket_path)
@@ -341,7 +324,7 @@ def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_it
     killed: subprocess.Popen[bytes] | None = None
     try:
         with _connect(daemon.socket_path, _hello("elastic", 0, os.getpid())) as staying:
-            _read_frame(staying)
+            read_daemon_frame(staying)
 
             def job(rank: int, steps: int) -> subprocess.Popen[bytes]:
                 return subprocess.Popen(

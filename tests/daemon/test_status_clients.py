@@ -20,19 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
+from tests.support import REPO, DaemonProcess, read_daemon_frame, select, start_daemon, wait_for
 from torchpulse import cli
 from torchpulse.daemon.client import request_status
 from torchpulse.daemon.config import ConfigError, parse_listen
 from torchpulse.protocol import (
-    HEADER,
-    HEADER_SIZE,
     ErrorReply,
     Hello,
     StatusReply,
     StatusRequest,
     Welcome,
-    decode_daemon_frame,
     encode,
 )
 
@@ -60,19 +57,6 @@ def _populate(daemon: DaemonProcess, runs: int = RUNS) -> None:
     wait_for(lambda: runs == len(request_status(daemon.socket_path).runs), timeout=30)
 
 
-def _read_frame(sock: socket.socket) -> object:
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            assert chunk, "the daemon closed the connection"
-            data += chunk
-        return data
-
-    _magic, _version, _reserved, length = HEADER.unpack(exactly(HEADER_SIZE))
-    return decode_daemon_frame(exactly(length))
-
-
 def _hello(daemon: DaemonProcess, run: str, rank: int = 0) -> tuple[float, object, socket.socket]:
     """Seconds from connecting to the daemon's answer to a hello, the answer, and the agent's connection."""
     start = time.perf_counter()
@@ -89,7 +73,7 @@ def _hello(daemon: DaemonProcess, run: str, rank: int = 0) -> tuple[float, objec
                 raise
             time.sleep(0.005)
     sock.sendall(encode(Hello(run, rank, rank, 1, 4242, "h", "2.13.0", "0.1.0", "train.py", 2.0)))
-    answer = _read_frame(sock)
+    answer = read_daemon_frame(sock)
     return time.perf_counter() - start, answer, sock
 
 
@@ -150,7 +134,7 @@ def test_status_requests_that_arrive_together_share_one_build(known: DaemonProce
             sock.connect(str(known.socket_path))
         for sock in clients:
             sock.sendall(encode(StatusRequest()))
-        replies = [_read_frame(sock) for sock in clients]
+        replies = [read_daemon_frame(sock) for sock in clients]
     finally:
         for sock in clients:
             sock.close()

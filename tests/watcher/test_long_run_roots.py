@@ -64,16 +64,23 @@ def _rows(state_dir: Path, sql: str) -> list[str]:
         db.close()
 
 
+def _two_jobs(tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess],
+              settings: str) -> tuple[DaemonProcess, Path, Path]:
+    """A daemon with these [checkpoints] settings, and a committed checkpoint in each of two jobs' directories."""
+    job_a, job_b = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
+    commit_copy(saved_checkpoint, job_a)
+    commit_copy(saved_checkpoint, job_b)
+    daemon = start_daemon(tmp_path, extra_args=["--config", str(_config(tmp_path, settings))])
+    stopper.append(daemon)
+    return daemon, job_a, job_b
+
+
 def test_expired_roots_leave_metrics_and_the_state_file_and_other_expires_too(
         tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
     """Job A gets the one slot, job B folds into "other"; past the TTL neither is exported, and once their
     directories are deleted no row of them is kept (before, each kept its newest row forever)."""
-    job_a, job_b = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
-    commit_copy(saved_checkpoint, job_a)
-    commit_copy(saved_checkpoint, job_b)
-    config = _config(tmp_path, "max_announced_roots = 1\nannounced_root_ttl_seconds = 4\n")
-    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
-    stopper.append(daemon)
+    daemon, job_a, job_b = _two_jobs(tmp_path, saved_checkpoint, stopper,
+                                     "max_announced_roots = 1\nannounced_root_ttl_seconds = 4\n")
     _announce(daemon, job_a, job_b)
     wait_for(lambda: 1 == _valid(daemon, str(job_a.parent)) == _valid(daemon, "other"), timeout=30)
     # "other" says when a job last saved there, as announced roots do: NoValidCheckpointRecently leaves it alone.
@@ -93,16 +100,12 @@ def test_lowering_max_announced_roots_on_reload_drops_the_oldest_roots(
         tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
     """A reload applies max_announced_roots at once: the root announced longest ago stops being watched, its
     series and its stored row go (before, it stayed watched, and its row stayed in the file for good)."""
-    job_a, job_b = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
-    commit_copy(saved_checkpoint, job_a)
-    commit_copy(saved_checkpoint, job_b)
-    config = _config(tmp_path, "max_announced_roots = 2\n")
-    daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
-    stopper.append(daemon)
+    daemon, job_a, job_b = _two_jobs(tmp_path, saved_checkpoint, stopper, "max_announced_roots = 2\n")
     _announce(daemon, job_a)
     wait_for(lambda: 1 == _valid(daemon, str(job_a.parent)), timeout=30)
     _announce(daemon, job_b)
     wait_for(lambda: 1 == _valid(daemon, str(job_b.parent)), timeout=30)
+    config = tmp_path / "torchpulse.toml"  # written by _two_jobs
     config.write_text(config.read_text().replace("max_announced_roots = 2", "max_announced_roots = 1"))
     daemon.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: {str(job_b.parent)} == _roots(daemon), timeout=15)
