@@ -28,7 +28,7 @@ from typing import Final
 import structlog
 
 import torchpulse
-from torchpulse.aio import close_connection
+from torchpulse.aio import HeldReplies, close_connection
 from torchpulse.daemon.checkpoint_announcements import Announcements
 from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.log_settings import LOG_LEVELS
@@ -89,15 +89,11 @@ WRITE_TIMEOUT: Final = 10.0
 # connections, held agents' hellos and batches for seconds. The loop now spends at most about half of its
 # time on status however many ask, and no reply is older than the request it answers.
 MAX_STATUS_SPACING: Final = 5.0
-# Status replies held for clients that have not read them yet, all connections together (a reply several
-# connections share counts once). Each connection that sent StatusRequest and never read held its whole
-# reply in its transport until WRITE_TIMEOUT (1,000 connections: hundreds of megabytes). Replies are now
-# written a chunk at a time as the client reads, so connections share one reply and each copies at most a
-# chunk; past this budget, the connection that has been writing the longest is cut off (a client reading
-# at a normal speed is never the oldest). A reply is at most MAX_FRAME_BYTES (4 MiB).
+# Status replies held for clients that have not read them yet, all connections together (see HeldReplies).
+# Each connection that sent StatusRequest and never read held its whole reply in its transport until
+# WRITE_TIMEOUT (1,000 connections: hundreds of megabytes). A reply is at most MAX_FRAME_BYTES (4 MiB).
 MAX_STATUS_HELD_BYTES: Final = 64 << 20
 STATUS_WRITE_CHUNK: Final = 64 << 10
-CUT_OFF_LOG_INTERVAL: Final = 60.0
 # At the connection limit, a status client still writing after this long gives way to a new connection.
 STUCK_STATUS_SECONDS: Final = 1.0
 # Rejection warnings are rate-limited: a hostile client must not flood the journal.
@@ -184,10 +180,7 @@ class AgentServer:
         self._buffered = 0
         self._buffer_freed = asyncio.Event()
         self._status_replies = StatusReplies(status)
-        # Connections writing a status reply: since when (the longest stuck is cut off first), and the reply.
-        self._status_writing: dict[asyncio.StreamWriter, tuple[float, bytes]] = {}
-        self._cut_off = 0  # status clients cut off since the last line saying so
-        self._cut_off_logged_at = -CUT_OFF_LOG_INTERVAL
+        self._status_held = HeldReplies(MAX_STATUS_HELD_BYTES, STATUS_WRITE_CHUNK, self._status_cut_off)
 
     async def start(self, path: Path | None, sock: socket.socket | None = None) -> None:
         """Listen on `path`, or on an already bound socket (socket activation)."""
@@ -263,7 +256,8 @@ class AgentServer:
         try:
             # At the limit, a client that does not read its status reply gives way: it would hold its slot
             # until WRITE_TIMEOUT while agents' hellos were refused.
-            if len(self._tasks) > self.max_connections and not self._cut_off_status_clients(stuck_only=True):
+            if (len(self._tasks) > self.max_connections
+                    and not self._status_held.cut_off_oldest(stuck_for=STUCK_STATUS_SECONDS)):
                 raise FrameError("too_many_connections", f"the daemon already holds {self.max_connections} "
                                  "connections; retrying")
             while True:
@@ -342,55 +336,20 @@ class AgentServer:
     async def _send_status(self, writer: asyncio.StreamWriter) -> None:
         """The status reply, shared with the requests around this one, written as the client reads it."""
         body = await self._status_replies.next()
-        self._make_room(writer, body)
-        self._status_writing[writer] = (time.monotonic(), body)
+        self._status_held.make_room(body)
+        # drain() then returns only once the transport's buffer is empty: it copies at most one chunk
+        # of the shared reply, whatever the client leaves unread.
+        writer.transport.set_write_buffer_limits(high=0)
         try:
-            # drain() then returns only once the transport's buffer is empty: it copies at most one chunk
-            # of the shared reply, whatever the client leaves unread.
-            writer.transport.set_write_buffer_limits(high=0)
             async with asyncio.timeout(WRITE_TIMEOUT):
-                view = memoryview(body)
-                for start in range(0, len(view), STATUS_WRITE_CHUNK):
-                    writer.write(view[start:start + STATUS_WRITE_CHUNK])
-                    await writer.drain()
+                await self._status_held.write(writer, body)
         except TimeoutError:
             raise StalledReader from None
-        finally:
-            self._status_writing.pop(writer, None)
 
-    def _held(self) -> int:
-        """Bytes of the status replies connections are writing, each reply once."""
-        return sum(len(body) for body in {id(body): body for _, body in self._status_writing.values()}.values())
-
-    def _make_room(self, writer: asyncio.StreamWriter, body: bytes) -> None:
-        """Cut off the status clients writing the longest until `body` fits in MAX_STATUS_HELD_BYTES."""
-        if any(held is body for _, held in self._status_writing.values()):
-            return  # shared with a reply in progress: it costs nothing more
-        while self._held() + len(body) > MAX_STATUS_HELD_BYTES and self._cut_off_status_clients(stuck_only=False):
-            pass
-
-    def _cut_off_status_clients(self, stuck_only: bool) -> bool:
-        """Abort the connection writing a status reply the longest; False when there is none to cut off.
-
-        `stuck_only`: only one whose client took nothing for a while (at the connection limit a reply
-        being read right now is let through).
-        """
-        now = time.monotonic()
-        candidates = [w for w, (since, _) in self._status_writing.items()
-                      if not stuck_only or now - since >= STUCK_STATUS_SECONDS]
-        if not candidates:
-            return False
-        oldest = min(candidates, key=lambda w: self._status_writing[w][0])
-        del self._status_writing[oldest]
-        oldest.transport.abort()  # its task ends on the lost connection
-        self._cut_off += 1
-        if now - self._cut_off_logged_at >= CUT_OFF_LOG_INTERVAL:
-            # Once a minute at most, with how many: a client connecting in a loop must not flood the journal.
-            log.warning("status clients cut off: they do not read their replies, and the replies held for them "
-                        "passed the budget or their connections the limit", connections=self._cut_off,
-                        max_held_bytes=MAX_STATUS_HELD_BYTES, max_connections=self.max_connections)
-            self._cut_off, self._cut_off_logged_at = 0, now
-        return True
+    def _status_cut_off(self, connections: int) -> None:
+        log.warning("status clients cut off: they do not read their replies, and the replies held for them "
+                    "passed the budget or their connections the limit", connections=connections,
+                    max_held_bytes=MAX_STATUS_HELD_BYTES, max_connections=self.max_connections)
 
     async def _ctl(self, request: CtlRequest, peer: Peer | None, writer: asyncio.StreamWriter) -> None:
         try:

@@ -18,7 +18,7 @@ from typing import Final
 
 import structlog
 
-from torchpulse.aio import close_connection
+from torchpulse.aio import HeldReplies, close_connection
 from torchpulse.exporters.prometheus import CONTENT_TYPE, Exposition
 
 log = structlog.get_logger("torchpulse.exporters.http")
@@ -29,19 +29,15 @@ MAX_CONNECTIONS: Final = 256
 # A client that leaves a response unread this long is cut off: a stalled reader
 # would otherwise hold a connection slot and a rendered body forever.
 WRITE_TIMEOUT: Final = 30.0
-# Response bodies held for clients that have not read them yet, all connections together (a body several
-# connections share counts once). A client that asks for /metrics and never reads held a copy of the whole
-# exposition (tens of megabytes on a busy node) until WRITE_TIMEOUT: a hundred such connections took gigabytes.
-# Bodies are now written a chunk at a time as the client reads, so connections share one rendered body;
-# past this budget, the connection that has been writing the longest is cut off (a scraper reading at a
-# normal speed is never the oldest).
+# Response bodies held for clients that have not read them yet, all connections together (see HeldReplies).
+# A client that asks for /metrics and never reads held a copy of the whole exposition (tens of megabytes on a
+# busy node) until WRITE_TIMEOUT: a hundred such connections took gigabytes.
 MAX_HELD_BYTES: Final = 128 << 20
 WRITE_CHUNK: Final = 256 << 10
 # A rendered exposition is served again to scrapes that arrive within the time its rendering took (at most
 # this long): scrapes queued behind a render, or a crowd of scrapers, then cost one render, not one each.
 # The loop spends at most about half of its time rendering however many clients scrape.
 MAX_REUSE_SECONDS: Final = 5.0
-CUT_OFF_LOG_INTERVAL: Final = 60.0
 # After an error answer, how long what the client still sends is read and dropped (see `_refuse`).
 LINGER_TIMEOUT: Final = 2.0
 REASONS: Final = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
@@ -63,6 +59,11 @@ class BadRequest(Exception):
         self.status = status
 
 
+def _cut_off(connections: int) -> None:
+    log.warning("scrape clients cut off: they do not read their responses and the bodies held for them "
+                "passed the budget", connections=connections, max_held_bytes=MAX_HELD_BYTES)
+
+
 class MetricsServer:
     def __init__(self, exposition: Exposition, health: Callable[[], bool] = lambda: True) -> None:
         self.exposition = exposition
@@ -73,12 +74,9 @@ class MetricsServer:
         self._waiting: dict[asyncio.StreamWriter, float] = {}
         # Every open connection and the task serving it, for `close`.
         self._connections: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
-        # Connections writing a response: since when (the longest stuck is cut off first), and its body.
-        self._writing: dict[asyncio.StreamWriter, tuple[float, bytes]] = {}
+        self._held = HeldReplies(MAX_HELD_BYTES, WRITE_CHUNK, _cut_off)
         # The last /metrics body: (when it was rendered, how long that took, the body, its gzip or None).
         self._rendered: tuple[float, float, bytes, bytes | None] | None = None
-        self._cut_off = 0  # connections cut off for the budget since the last line saying so
-        self._cut_off_logged_at = -CUT_OFF_LOG_INTERVAL
         self._closing = False
         self.port = 0
 
@@ -220,7 +218,7 @@ class MetricsServer:
             compressed = _accepts_gzip(headers.get("accept-encoding", ""))
             body = self._metrics_body(compressed)
             if not head:
-                self._make_room(writer, body)
+                self._held.make_room(body)
             await self._respond(writer, 200, body, CONTENT_TYPE, keep_alive, "gzip" if compressed else None, head)
         elif path == "/healthz":
             ok = self.health()
@@ -249,29 +247,6 @@ class MetricsServer:
         assert cached[3] is not None
         return cached[3]
 
-    def _held(self) -> int:
-        """Bytes of the bodies connections are writing, each body once."""
-        return sum(len(body) for body in {id(body): body for _, body in self._writing.values()}.values())
-
-    def _make_room(self, writer: asyncio.StreamWriter, body: bytes) -> None:
-        """Cut off the connections writing the longest until `body` fits in MAX_HELD_BYTES with the others."""
-        if any(held is body for _, held in self._writing.values()):
-            return  # shared with a response in progress: it costs nothing more
-        while self._held() + len(body) > MAX_HELD_BYTES:
-            others = [w for w in self._writing if w is not writer]
-            if not others:
-                return  # one response alone may be larger than the budget: it is served
-            oldest = min(others, key=lambda w: self._writing[w][0])
-            del self._writing[oldest]
-            oldest.transport.abort()  # its task ends on the lost connection
-            self._cut_off += 1
-        now = time.monotonic()
-        if self._cut_off and now - self._cut_off_logged_at >= CUT_OFF_LOG_INTERVAL:
-            # Once a minute at most, with how many: a client opening connections in a loop must not flood the log.
-            log.warning("scrape clients cut off: they do not read their responses and the bodies held for them "
-                        "passed the budget", connections=self._cut_off, max_held_bytes=MAX_HELD_BYTES)
-            self._cut_off, self._cut_off_logged_at = 0, now
-
     async def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes,
                        content_type: str = "text/plain; charset=utf-8", keep_alive: bool = True,
                        encoding: str | None = None, head: bool = False) -> None:
@@ -287,20 +262,8 @@ class MetricsServer:
             lines.append(f"Content-Encoding: {encoding}")
         if content_type == CONTENT_TYPE:
             lines.append("Vary: Accept-Encoding")  # the body depends on it: caches must not mix the two
-        payload = b"" if head else body
-        self._writing[writer] = (time.monotonic(), payload)
-        try:
-            async with asyncio.timeout(WRITE_TIMEOUT):
-                writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-                # A chunk at a time, as the client takes them: the transport copies what it cannot send at
-                # once, and a whole body per connection that does not read added up to gigabytes.
-                view = memoryview(payload)
-                for start in range(0, len(view), WRITE_CHUNK):
-                    writer.write(view[start:start + WRITE_CHUNK])
-                    await writer.drain()
-                await writer.drain()
-        finally:
-            self._writing.pop(writer, None)
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await self._held.write(writer, b"" if head else body, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
 
 async def _read_line(reader: asyncio.StreamReader, too_long: int) -> bytes:
