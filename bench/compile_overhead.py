@@ -36,7 +36,7 @@ import torch._dynamo.utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import Variant, interleaved, report
+from bench.harness import Variant, interleaved, optimizer_hooks, report
 from torchpulse.probes import torch_features as tf
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.base import Probe
@@ -62,14 +62,6 @@ def _frames_compiled() -> int:
     return int(sum(torch._dynamo.utils.counters["frames"].values()))
 
 
-def _optimizer_hooks() -> int:
-    """Optimizer step hooks registered process-wide (torch's private tables; 0 when they are not found)."""
-    from torch.optim import optimizer as optim_module
-
-    return sum(len(getattr(optim_module, table, {}))
-               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
-
-
 def step_time_ratio(rounds: int, block: int) -> bool:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -86,20 +78,20 @@ def step_time_ratio(rounds: int, block: int) -> bool:
 
     agent = make_agent()
     probes = [CompileProbe(agent), CudaGraphProbe(agent)]
-    hooks_off = _optimizer_hooks()
+    hooks_off = optimizer_hooks()
 
     def enter() -> None:
         for probe in probes:
             probe.install()
         # The cudagraphs probe's optimizer post-hook is its per-step work: there in `on` only.
-        if _optimizer_hooks() != hooks_off + 1:
+        if optimizer_hooks() != hooks_off + 1:
             raise RuntimeError("the probes did not register their optimizer hook")
 
     def leave() -> None:
         for probe in probes:
             probe.uninstall()
         agent.drain()
-        if _optimizer_hooks() != hooks_off:
+        if optimizer_hooks() != hooks_off:
             raise RuntimeError("the probes left an optimizer hook behind")
 
     started = time.perf_counter()

@@ -126,6 +126,15 @@ def report(title: str, times: dict[str, list[float]], baseline: str, budgets: di
     return ok
 
 
+
+def optimizer_hooks() -> int:
+    """Optimizer step hooks registered process-wide (torch's private tables; 0 when they are not found): the
+    overhead benchmarks check with it that a probe's hooks are there in the arm that claims them, and only there."""
+    from torch.optim import optimizer as optim_module
+
+    return sum(len(getattr(optim_module, table, {}))
+               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
+
 @contextmanager
 def bench_dir(prefix: str, keep_on_error: bool = False) -> Iterator[Path]:
     """A temporary directory removed on the way out, also on Ctrl-C and SIGTERM.

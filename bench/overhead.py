@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchpulse
-from bench.harness import Variant, bench_dir, interleaved, report, running_daemon
+from bench.harness import Variant, bench_dir, interleaved, optimizer_hooks, report, running_daemon
 
 
 def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -85,20 +85,20 @@ def main() -> int:
             # not the optimizer probe's. The probe's two hooks must be gone in one arm and there in the other.
             step()  # the agent adds that hook's pre-hook at the first step
             probe.uninstall()
-            without_probe = _global_optimizer_hooks()
+            without_probe = optimizer_hooks()
             probe.install()
-            with_probe = _global_optimizer_hooks()
+            with_probe = optimizer_hooks()
             if with_probe != without_probe + 2:
                 raise RuntimeError(f"the optimizer probe registered {with_probe - without_probe} hooks, not 2")
 
             def probe_off() -> None:
                 probe.uninstall()
-                if _global_optimizer_hooks() != without_probe:
+                if optimizer_hooks() != without_probe:
                     raise RuntimeError("'probes off' still has the optimizer probe's hooks registered")
 
             def probe_back() -> None:
                 probe.install()
-                if _global_optimizer_hooks() != with_probe:
+                if optimizer_hooks() != with_probe:
                     raise RuntimeError("the optimizer probe did not register its hooks again")
 
             variants = [Variant("probes off", probe_off, probe_back),
@@ -119,14 +119,6 @@ def main() -> int:
             return 0 if ok and seen else 1
         finally:
             torchpulse.detach()
-
-
-def _global_optimizer_hooks() -> int:
-    """Optimizer step hooks registered process-wide (torch's private tables; 0 when they are not found)."""
-    from torch.optim import optimizer as optim_module
-
-    return sum(len(getattr(optim_module, table, {}))
-               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
 
 
 if __name__ == "__main__":
