@@ -54,12 +54,14 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
 def probes_error(probes: str | None) -> str | None:
     """Why `--probes` cannot be used, or None: a typo caught here, not as one log line per rank later."""
     from torchpulse.probes.api import PROBES
+    from torchpulse.probes.config import probe_names
 
     if probes is None:
         return None
-    names = [p.strip() for p in probes.split(",") if p.strip()]
+    names = probe_names(probes)
     if not names:
-        # The agent reads an empty TORCHPULSE_PROBES as "the defaults": not what `--probes ""` asks for.
+        # Not what the user meant: the agent reads an empty TORCHPULSE_PROBES as the defaults, and a
+        # list of blanks (" , ") as no probe at all.
         return f"--probes names no probe (known: {', '.join(sorted(PROBES))})"
     unknown = [name for name in names if name not in PROBES]
     if unknown:

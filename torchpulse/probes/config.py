@@ -73,7 +73,7 @@ class AgentConfig:
         env = os.environ if env is None else env
         values: dict[str, object] = {"socket_path": agent_socket_path(env)}
         if env.get("TORCHPULSE_PROBES"):
-            values["probes"] = tuple(p.strip() for p in env["TORCHPULSE_PROBES"].split(",") if p.strip())
+            values["probes"] = probe_names(env["TORCHPULSE_PROBES"])
         if env.get("TORCHPULSE_FLUSH_INTERVAL"):
             values["flush_interval"] = _seconds(env["TORCHPULSE_FLUSH_INTERVAL"], "TORCHPULSE_FLUSH_INTERVAL")
         values["options"] = {
@@ -84,6 +84,11 @@ class AgentConfig:
             values["socket_path"] = Path(values["socket_path"])
         return cls(**values)  # type: ignore[arg-type]
 
+
+
+def probe_names(text: str) -> tuple[str, ...]:
+    """The probes a comma-separated list names (TORCHPULSE_PROBES, `torchpulse run --probes`), blanks dropped."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 def _seconds(raw: str, variable: str) -> float:
     try:
