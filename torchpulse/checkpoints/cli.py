@@ -66,40 +66,36 @@ def _is_checkpoint_file(name: str) -> bool:
     return name.endswith((".metadata", ".metadata.tmp", *DATA_SUFFIXES))
 
 
-def _checkpoints_inside(path: str) -> list[str]:
-    """Names of the subdirectories of `path` that hold checkpoint files, when `path` itself holds none.
+def _not_a_checkpoint(path: str) -> str | None:
+    """Why `path`, which holds no checkpoint file of its own, is no checkpoint directory at all, or None.
 
-    `torchpulse check /ckpt` given the root instead of `/ckpt/step-4000` is a usage error,
-    not a save that has not committed. Empty when `path` holds a checkpoint file or cannot be listed.
+    Read from one listing of `path`. A root of saves (`/ckpt` given instead of `/ckpt/step-4000`) and a
+    directory of other files (`torch.save` output: `pytorch_model.bin`, `optimizer.pt`, Lightning's
+    `.ckpt`) are usage errors, not saves that have not committed: the daemon does not count them
+    incomplete either. An empty directory still is one (a save that has only made its directory).
     """
-    found: list[str] = []
-    with contextlib.suppress(OSError):
+    try:
         entries = sorted(Path(path).iterdir())
-        if any(_is_checkpoint_file(e.name) for e in entries):
-            return []
-        for entry in entries[:MAX_SUBDIRS_EXAMINED]:
-            with contextlib.suppress(OSError):  # not a directory, or one it cannot list
-                if any(_is_checkpoint_file(f.name) for f in entry.iterdir()):
-                    found.append(entry.name)
-    return found
-
-
-def _other_files_only(path: str) -> int:
-    """How many files `path` holds when none of them is a checkpoint file (0 when it holds one, or none).
-
-    A directory of `torch.save` files (`pytorch_model.bin`, `optimizer.pt`, Lightning's `.ckpt`) or any
-    other directory given by mistake is not a save that has not committed: the daemon does not count it
-    incomplete either. An empty directory still is (a save that has only made its directory).
-    """
-    count = 0
-    with contextlib.suppress(OSError):
-        for entry in Path(path).iterdir():
-            if _is_checkpoint_file(entry.name):
-                return 0
-            with contextlib.suppress(OSError):
-                if entry.is_file():
-                    count += 1
-    return count
+    except OSError:
+        return None
+    if any(_is_checkpoint_file(e.name) for e in entries):
+        return None
+    inside: list[str] = []
+    for entry in entries[:MAX_SUBDIRS_EXAMINED]:
+        with contextlib.suppress(OSError):  # not a directory, or one it cannot list
+            if any(_is_checkpoint_file(f.name) for f in entry.iterdir()):
+                inside.append(entry.name)
+    if inside:
+        named = ", ".join(printable(n) for n in inside[:MAX_NAMED]) + (", ..." if len(inside) > MAX_NAMED else "")
+        return f"not a checkpoint but a directory of checkpoints ({named}): check one of them"
+    files = 0
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            files += entry.is_file()
+    if files:
+        return (f"not a DCP or safetensors checkpoint: {files} file{'s' if files != 1 else ''}, no .metadata, "
+                ".distcp or .safetensors among them (torch.save files such as .pt, .bin or .ckpt are not checked)")
+    return None
 
 
 def _interrupted() -> int:
@@ -147,15 +143,8 @@ def main(argv: list[str]) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return _interrupted()
-    if result.status is Status.INCOMPLETE and (inside := _checkpoints_inside(args.path)):
-        named = ", ".join(printable(n) for n in inside[:MAX_NAMED]) + (", ..." if len(inside) > MAX_NAMED else "")
-        print(f"torchpulse check: {printable(args.path)}: not a checkpoint but a directory of checkpoints "
-              f"({named}): check one of them", file=sys.stderr)
-        return EXIT_ERROR
-    if result.status is Status.INCOMPLETE and (others := _other_files_only(args.path)):
-        print(f"torchpulse check: {printable(args.path)}: not a DCP or safetensors checkpoint: {others} "
-              f"file{'s' if others != 1 else ''}, no .metadata, .distcp or .safetensors among them "
-              "(torch.save files such as .pt, .bin or .ckpt are not checked)", file=sys.stderr)
+    if result.status is Status.INCOMPLETE and (why := _not_a_checkpoint(args.path)):
+        print(f"torchpulse check: {printable(args.path)}: {why}", file=sys.stderr)
         return EXIT_ERROR
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
