@@ -24,7 +24,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -412,10 +412,13 @@ class CheckpointService:
                            path=repr(path), reason=problem)
         return problem is None
 
-    def _known_key(self, path: str) -> str | None:
-        """The key `path` was last validated with, remembered in memory when the state store refused it."""
+    def _known_key(self, path: str, recorded: Mapping[str, str] | None = None) -> str | None:
+        """The key `path` was last validated with, remembered in memory when the state store refused it.
+
+        `recorded`: the records of its root, read in one query (a sweep), instead of one query for `path`.
+        """
         assert self._store is not None
-        return self._unsaved.get(path) or self._store.key_of(path)
+        return self._unsaved.get(path) or (self._store.key_of(path) if recorded is None else recorded.get(path))
 
     async def _validate(self, path: str, found_under: str | None) -> None:
         if self._dropped(path, found_under):
@@ -570,17 +573,14 @@ class CheckpointService:
             return  # dropped while it ran: its series are gone and stay gone
         # One query for the root's records, on the loop: a lookup per directory blocked it ~0.2 s at 8,200.
         recorded = self._store.keys_under(root)
-
-        def known_key(path: str) -> str | None:
-            return self._unsaved.get(path) or recorded.get(path)
-
         found = [(ckpt.committed_at, ckpt.path) for ckpt in result.committed if self._usable(ckpt.path)
-                 and known_key(ckpt.path) != ckpt.key and ckpt.path not in self._debounce]
+                 and self._known_key(ckpt.path, recorded) != ckpt.key and ckpt.path not in self._debounce]
         now = time.time()
         stale = [u for u in result.uncommitted if now - u.settled_at >= self.config.incomplete_after_seconds]
         self.stats.root(self._label(root)).incomplete = len(stale)
         found += [(save.newest_write, save.path) for save in stale
-                  if self._usable(save.path) and known_key(save.path) != _incomplete_key_for(save.newest_write)]
+                  if self._usable(save.path)
+                  and self._known_key(save.path, recorded) != _incomplete_key_for(save.newest_write)]
         for path in result.unvalidated:
             # Hugging Face Trainer `checkpoint-N/`, `save_pretrained` output: safetensors without a DCP commit.
             self._log_once(f"not dcp {path}", "not a DCP checkpoint (safetensors, no .metadata): not validated",
