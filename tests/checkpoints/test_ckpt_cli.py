@@ -145,7 +145,7 @@ def test_text_summary_counts_findings_that_were_not_listed() -> None:
     result = ValidationResult("/ckpt", Status.INVALID, Level.METADATA, tuple(listed), {}, counts)
     lines = render_text(result).splitlines()
     total = MAX_FINDINGS_PER_RULE + 250
-    assert (f"{total} error;" in lines[0], lines[1].endswith(f"({total})"), lines[-1].strip()) == (
+    assert (f"{total} errors;" in lines[0], lines[1].endswith(f"({total})"), lines[-1].strip()) == (
         True, True, "error   ... and 250 more findings of this rule omitted")
 
 

@@ -44,7 +44,7 @@ def render_text(result: ValidationResult) -> str:
     for (rule, severity), n in true_counts.items():
         counts[severity] += n
         per_rule[rule] += n
-    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no findings"
+    summary = ", ".join(_counted(n, s) for s, n in sorted(counts.items())) or "no findings"
     stats = result.stats
     lines = [
         f"{result.status.value.upper()}: {printable(result.path)} (level {result.level.value}; {summary}; "
@@ -59,6 +59,11 @@ def render_text(result: ValidationResult) -> str:
         lines.append(f"  {printable(rule)} {RULES.get(rule, '')} ({per_rule[rule]})")
         lines.extend(by_rule[rule])
     return "\n".join(lines)
+
+
+def _counted(n: int, severity: str) -> str:
+    """`2 errors`, `1 warning`, `3 info` (a mass noun)."""
+    return f"{n} {severity}" if n == 1 or severity == "info" else f"{n} {severity}s"
 
 
 def _is_checkpoint_file(name: str) -> bool:
