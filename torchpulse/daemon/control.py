@@ -20,6 +20,7 @@ import grp
 import itertools
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,14 @@ STEP_QUERY_SECONDS = 1.0
 MAX_REPORTED_RATE = 1e6
 # Ranks a "command received" line lists; a client may address thousands (or send a list of millions).
 MAX_LOGGED_RANKS = 64
+# Command ids start at a random point of this range, different for each daemon process: an agent answers a
+# command of the daemon before a restart on its connection to the next daemon (a trace it was capturing, a
+# trace superseded), and with ids counted from 1 again that answer would be taken for a new command's.
+COMMAND_ID_RANGE: Final = 2**62
+# Agents that lost the daemon retry at most every backoff_max (5 s by default, +-20 %): until a daemon has run
+# this long, a rank it has not heard from may be on its way back. A command waits for it that long at most.
+RECONNECT_WINDOW_SECONDS = 7.0
+RECONNECT_POLL_SECONDS = 0.05
 
 
 class NotAuthorized(Exception):
@@ -135,7 +144,7 @@ class ControlHub:
     def __init__(self, registry: Registry, control_group: Callable[[], str]) -> None:
         self.registry = registry
         self.control_group = control_group
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(secrets.randbelow(COMMAND_ID_RANGE) + 1)
         # Command id -> (the rank it went to, that rank's connection, the answer to come).
         self._waiting: dict[int, tuple[RankState, int, asyncio.Future[CommandResult]]] = {}
 
@@ -156,6 +165,11 @@ class ControlHub:
 
     async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
+        # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
+        timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
+        # What waiting for reconnecting ranks took is taken from the command's time: the client waits
+        # `timeout` and a few seconds more, not longer.
+        wait = timeout - await self._await_reconnects(request, timeout / 2)
         run = self.registry.runs.get(request.run)
         caller = authorize(peer, self.control_group(), run)
         # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
@@ -174,14 +188,41 @@ class ControlHub:
                 args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
                 # While it was planned, the run may have ended and another user's job taken its ranks.
                 authorize(caller, self.control_group(), run)
-        # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
-        timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
         results = await asyncio.gather(*(
-            self._one(run.ranks.get(rank), rank, request.name, args, timeout) for rank in wanted))
+            self._one(run.ranks.get(rank), rank, request.name, args, wait, asked=timeout) for rank in wanted))
         for result in results:
             log.info("command result", command=command, run=run_name, rank=result.rank,
                      status=result.status, message=cut(result.message), **who)
         return CtlReply(request.run, request.name, list(results))
+
+    async def _await_reconnects(self, request: CtlRequest, most: float) -> float:
+        """Just after the daemon started, wait (at most `most` seconds) for addressed ranks still to reconnect;
+        the seconds waited.
+
+        The registry starts empty: without this, a command sent right after a restart reached only the ranks
+        back already, and its reply left the others out without a word (`ctl trace` of half a job, exit 0), or
+        named an addressed rank "no such rank", or the run "no such run". Ranks addressed by number are waited
+        for until they are connected; all ranks of a run until as many as its world size are (on a node that
+        runs only some ranks of a larger job, until the window is over).
+        """
+        started = time.monotonic()
+        deadline = min(self.registry.started + RECONNECT_WINDOW_SECONDS, started + most)
+        if started >= deadline:
+            return 0.0  # the usual case: a daemon up for a while has heard from every running rank
+        wanted = None if request.ranks is None else set(request.ranks)
+        while time.monotonic() < deadline and self._reconnecting(request.run, wanted):
+            await asyncio.sleep(RECONNECT_POLL_SECONDS)
+        return time.monotonic() - started
+
+    def _reconnecting(self, name: str, wanted: set[int] | None) -> bool:
+        """Whether addressed ranks of run `name` may still be missing: not connected, or never seen."""
+        run = self.registry.runs.get(name)
+        if run is None:
+            return True
+        connected = {rank for rank, state in run.ranks.items() if state.connected}
+        if wanted is not None:
+            return not wanted <= connected
+        return len(connected) < max((state.hello.world_size for state in run.ranks.values()), default=1)
 
     async def _trace_start(self, states: list[RankState]) -> int:
         """The same first step for every rank: past the fastest one by a couple of seconds of steps."""
@@ -229,7 +270,9 @@ class ControlHub:
                 "the command stays queued and applies there if the rank gets there)")
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
-                   timeout: float, explain: bool = True) -> RankResult:
+                   timeout: float, explain: bool = True, asked: float | None = None) -> RankResult:
+        """Send one command and wait `timeout` seconds for its answer; `asked` is the timeout the client asked
+        for, which a timeout's message names (the wait may be shorter: part of it went to reconnecting ranks)."""
         if state is None:
             return RankResult(rank, "not_connected", "no such rank in this run", {})
         if not state.connected or state.channel is None:
@@ -253,6 +296,6 @@ class ControlHub:
             self._waiting.pop(command_id, None)
         if timed_out:
             # Explaining asks the agent for its step: a question that must not be explained in turn.
-            message = await self._timeout_message(state, name, args, timeout) if explain else "no answer"
+            message = await self._timeout_message(state, name, args, asked or timeout) if explain else "no answer"
             return RankResult(rank, "timeout", message, {})
         return RankResult(rank, "ok" if result.ok else "failed", result.message, result.data)

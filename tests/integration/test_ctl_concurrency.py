@@ -1,0 +1,64 @@
+"""`torchpulse ctl` across a daemon restart: real daemon processes, real training jobs."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
+from tests.support import DaemonProcess
+
+
+def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_command(
+        daemon: DaemonProcess, tmp_path: Path) -> None:
+    """A trace waits in the agent for a far step when the daemon is SIGKILLed; the new daemon's first trace
+    supersedes it, and the agent answers the old one ("superseded") on its new connection. That answer is
+    not the new command's: with ids counted from 1 in every daemon it was, and the client was told its own
+    trace, accepted and waiting, had failed."""
+    procs = _jobs(daemon, "ids", steps=100000, sleep=0.02, ranks=1)
+    current = daemon
+    try:
+        _wait_connected(current, "ids", 1)
+        far = 1_000_000
+        first = _ctl(current, "trace", "--run", "ids", "--start-step", str(far), "--steps", "1", "--out",
+                     str(tmp_path), "--timeout", "1")
+        assert first.stdout.startswith("rank   0  timeout"), first.stdout + first.stderr
+        current.proc.kill()
+        current.proc.wait(10)
+        current = current.restart()
+        _wait_connected(current, "ids", 1)
+        second = _ctl(current, "trace", "--run", "ids", "--start-step", str(far + 5), "--steps", "1", "--out",
+                      str(tmp_path), "--timeout", "2")
+        # Its own answer: still waiting for step far + 5, so a timeout (the old trace's "superseded" is not it).
+        assert second.stdout.startswith("rank   0  timeout       no answer within 2s"), second.stdout + second.stderr
+        assert "superseded" not in second.stdout
+    finally:
+        _stop(procs)
+        current.stop()
+
+
+def test_a_command_right_after_a_restart_answers_for_every_rank_still_reconnecting(daemon: DaemonProcess) -> None:
+    """The daemon is SIGKILLed and down long enough for the agents to back off; the first `ctl status` sent
+    to the new one, before the ranks are back, answers for both ranks (it waited for them), instead of
+    "no such run" or a reply leaving out a rank with exit status 0."""
+    procs = _jobs(daemon, "back", steps=100000, sleep=0.02, ranks=2)
+    current = daemon
+    try:
+        _wait_connected(current, "back", 2)
+        current.proc.kill()
+        current.proc.wait(10)
+        time.sleep(3)  # the agents' retries are 2 s and then 4 s apart by now
+        current = current.restart()
+        result = _ctl(current, "status", "--run", "back", "--timeout", "20")
+        lines = result.stdout.splitlines()
+        assert 0 == result.returncode, result.stdout + result.stderr
+        assert [True, True] == [line.startswith(f"rank   {rank}  ok ") for rank, line in enumerate(lines)], lines
+        assert 2 == len(lines)
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+        _stop(procs)
+        current.stop()
+
