@@ -131,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(null, sys.stdout.fileno())
         os.close(null)
         return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C while `ctl` or `status` waits for the daemon: the shell's 130, not a traceback.
+        return 128 + signal.SIGINT
 
 
 def _dispatch(args_list: list[str]) -> int:

@@ -1,13 +1,15 @@
-"""`torchpulse ctl` across a daemon restart: real daemon processes, real training jobs."""
+"""`torchpulse ctl` across a daemon restart and a client that hangs up: real daemon processes, real training jobs."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
-from tests.support import DaemonProcess
+from tests.support import REPO, DaemonProcess, wait_for
 
 
 def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_command(
@@ -62,3 +64,35 @@ def test_a_command_right_after_a_restart_answers_for_every_rank_still_reconnecti
         _stop(procs)
         current.stop()
 
+
+def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_applies_it(
+        daemon: DaemonProcess) -> None:
+    """`ctl enable` waits for a stopped rank and its user presses Ctrl-C: the client exits 130 without a
+    traceback, and the daemon drops the command
+    at once, while the rank is still stopped (it used to wait for the answer, up to the client's timeout of an
+    hour, holding a connection kept for status and ctl); the rank applies the command when it steps again,
+    and the next command works."""
+    procs = _jobs(daemon, "gone", steps=100000, sleep=0.02, ranks=1)
+    try:
+        _wait_connected(daemon, "gone", 1)
+        procs[0].send_signal(signal.SIGSTOP)
+        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "gone",
+                                   "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=daemon.env())
+        wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
+        client.send_signal(signal.SIGINT)
+        _, stderr = client.communicate(timeout=10)
+        assert (130, "") == (client.returncode, stderr)  # the shell's status for Ctrl-C, no traceback
+        wait_for(lambda: any(e.get("event", "").startswith("command abandoned") for e in daemon.log_lines()))
+        procs[0].send_signal(signal.SIGCONT)
+        status = _ctl(daemon, "status", "--run", "gone", "--timeout", "10")
+        assert 0 == status.returncode, status.stdout + status.stderr
+        wait_for(lambda: "probes=autograd,optimizer" in _ctl(daemon, "status", "--run", "gone").stdout)
+        abandoned = [e for e in daemon.log_lines() if e.get("event", "").startswith("command abandoned")]
+        assert [("enable", "gone")] == [(e.get("command"), e.get("run")) for e in abandoned]
+        assert [] == [e for e in daemon.log_lines() if e.get("level") in ("warning", "error")
+                      and e.get("event") != "agent disconnected"]
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+        _stop(procs)

@@ -284,7 +284,7 @@ class AgentServer:
                         await self._send_status(writer)
                         return
                     elif isinstance(frame, CtlRequest):
-                        await self._ctl(frame, peer, writer)
+                        await self._ctl(frame, peer, reader, writer)
                         return
                     else:
                         raise FrameError("no_hello", "the first frame of a connection must be hello")
@@ -351,9 +351,30 @@ class AgentServer:
                     "passed the budget or their connections the limit", connections=connections,
                     max_held_bytes=MAX_STATUS_HELD_BYTES, max_connections=self.max_connections)
 
-    async def _ctl(self, request: CtlRequest, peer: Peer | None, writer: asyncio.StreamWriter) -> None:
+    async def _ctl(self, request: CtlRequest, peer: Peer | None, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> None:
+        # A ctl client sends one frame, then only waits: the end of its stream means it hung up (Ctrl-C). The
+        # command is then dropped here at once: waiting on for a hung rank's answer (up to an hour) held one of
+        # the connections kept for status and ctl, so a few abandoned commands could lock operators out.
+        handling = asyncio.ensure_future(self.control.handle(request, peer))
+        hangup = asyncio.ensure_future(reader.read(1))
         try:
-            reply: CtlReply | ErrorReply = await self.control.handle(request, peer)
+            await asyncio.wait((handling, hangup), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            if hangup.done() and not hangup.cancelled():
+                hangup.exception()  # a reset connection is a hang-up too: retrieved, so asyncio does not log it
+            if not handling.done():
+                handling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handling  # unwinds at once: its commands leave the table of answers awaited
+        if handling.cancelled():
+            log.info("command abandoned by its client; ranks it reached may still apply it",
+                     command=cut(request.name, MAX_NAME_CHARS), run=cut(request.run, MAX_NAME_CHARS),
+                     uid=peer.uid if peer else None, pid=peer.pid if peer else None)
+            return
+        try:
+            reply: CtlReply | ErrorReply = handling.result()
         except NotAuthorized as exc:
             log.warning("command refused", command=cut(request.name, MAX_NAME_CHARS),
                         run=cut(request.run, MAX_NAME_CHARS),
