@@ -96,3 +96,25 @@ def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_ap
         for proc in procs:
             proc.send_signal(signal.SIGCONT)
         _stop(procs)
+
+
+def test_a_daemon_gone_while_a_command_waits_is_reported_at_once_with_what_may_still_happen(
+        daemon: DaemonProcess) -> None:
+    """The daemon dies while `ctl enable` waits for a stopped rank: the client says so at once, exit 1, and that
+    the rank may still apply the command (it has it), instead of waiting out its timeout."""
+    procs = _jobs(daemon, "died", steps=100000, sleep=0.02, ranks=1)
+    try:
+        _wait_connected(daemon, "died", 1)
+        procs[0].send_signal(signal.SIGSTOP)
+        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "died",
+                                   "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env())
+        wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
+        daemon.proc.kill()
+        _, stderr = client.communicate(timeout=20)
+        assert (1, "torchpulse: the daemon closed the connection without answering; ranks it reached may still "
+                "apply the command\n") == (client.returncode, stderr)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+        _stop(procs)

@@ -45,7 +45,9 @@ def _request(path: Path, request: StatusRequest | CtlRequest, reply_type: type[T
             except TimeoutError:
                 raise DaemonUnavailable(f"the daemon did not answer within {timeout:g}s") from None
             if not chunk:
-                raise DaemonUnavailable("the daemon closed the connection without answering")
+                # Mostly a daemon that stopped or restarted: a command may have reached ranks before it went.
+                maybe = "; ranks it reached may still apply the command" if isinstance(request, CtlRequest) else ""
+                raise DaemonUnavailable(f"the daemon closed the connection without answering{maybe}")
             for body in reader.feed(chunk):
                 frame = decode_daemon_frame(body)
                 if isinstance(frame, ErrorReply):
