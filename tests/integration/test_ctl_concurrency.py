@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +12,9 @@ from pathlib import Path
 
 from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
 from tests.support import REPO, DaemonProcess, wait_for
+from torchpulse.daemon.control import ControlHub
+from torchpulse.daemon.registry import Peer, Registry
+from torchpulse.protocol import CtlRequest
 
 
 def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_command(
@@ -118,3 +123,18 @@ def test_a_daemon_gone_while_a_command_waits_is_reported_at_once_with_what_may_s
         for proc in procs:
             proc.send_signal(signal.SIGCONT)
         _stop(procs)
+
+
+def test_right_after_a_start_a_command_waits_for_a_run_it_may_have_but_not_for_more_ranks_than_a_run_holds() -> None:
+    """In-process, a daemon just started: a command for a run not back yet waits (up to half its timeout), one
+    for more ranks than a run may hold here returns at once (each poll would walk them all: a 4 MiB request
+    names about 800,000)."""
+    registry = Registry(max_ranks_per_run=4)
+    hub = ControlHub(registry, lambda: "")
+
+    def waited(ranks: list[int] | None) -> float:
+        started = time.monotonic()
+        asyncio.run(hub.handle(CtlRequest("nowhere", ranks, "status", {}, 1.0), Peer(os.getpid(), 0, 0)))
+        return time.monotonic() - started
+
+    assert (True, True) == (0.45 <= waited([0, 1]) < 0.9, waited(list(range(5))) < 0.1)

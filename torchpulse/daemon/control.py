@@ -210,6 +210,8 @@ class ControlHub:
         if started >= deadline:
             return 0.0  # the usual case: a daemon up for a while has heard from every running rank
         wanted = None if request.ranks is None else set(request.ranks)
+        if wanted is not None and len(wanted) > self.registry.max_ranks_per_run:
+            return 0.0  # more ranks than a run holds here: never all connected (and each poll would walk them)
         while time.monotonic() < deadline and self._reconnecting(request.run, wanted):
             await asyncio.sleep(RECONNECT_POLL_SECONDS)
         return time.monotonic() - started
