@@ -70,30 +70,41 @@ def test_a_command_right_after_a_restart_answers_for_every_rank_still_reconnecti
         current.stop()
 
 
-def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_applies_it(
-        daemon: DaemonProcess) -> None:
-    """`ctl enable` waits for a stopped rank and its user presses Ctrl-C: the client exits 130 without a
-    traceback, and the daemon drops the command
-    at once, while the rank is still stopped (it used to wait for the answer, up to the client's timeout of an
-    hour, holding a connection kept for status and ctl); the rank applies the command when it steps again,
-    and the next command works."""
-    procs = _jobs(daemon, "gone", steps=100000, sleep=0.02, ranks=1)
+def _enable_waiting_on_a_stopped_rank(daemon: DaemonProcess, run: str) -> tuple[list[subprocess.Popen[str]],
+                                                                                  subprocess.Popen[str]]:
+    """A one-rank job, stopped (SIGSTOP), and a `ctl enable autograd` client waiting for its answer."""
+    procs = _jobs(daemon, run, steps=100000, sleep=0.02, ranks=1)
     try:
-        _wait_connected(daemon, "gone", 1)
+        _wait_connected(daemon, run, 1)
         procs[0].send_signal(signal.SIGSTOP)
-        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "gone",
+        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", run,
                                    "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=daemon.env())
         wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
+    except BaseException:
+        procs[0].send_signal(signal.SIGCONT)
+        _stop(procs)
+        raise
+    return procs, client
+
+
+def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_applies_it(
+        daemon: DaemonProcess) -> None:
+    """`ctl enable` waits for a stopped rank and its user presses Ctrl-C: the client exits 130 without a
+    traceback, and the daemon drops the command at once, while the rank is still stopped (it used to wait for
+    the answer, up to the client's timeout of an hour, holding a connection kept for status and ctl); the rank
+    applies the command when it steps again, and the next command works."""
+    procs, client = _enable_waiting_on_a_stopped_rank(daemon, "gone")
+    try:
         client.send_signal(signal.SIGINT)
         _, stderr = client.communicate(timeout=10)
         assert (130, "") == (client.returncode, stderr)  # the shell's status for Ctrl-C, no traceback
-        wait_for(lambda: any(e.get("event", "").startswith("command abandoned") for e in daemon.log_lines()))
+        wait_for(lambda: any(str(e.get("event", "")).startswith("command abandoned") for e in daemon.log_lines()))
         procs[0].send_signal(signal.SIGCONT)
         status = _ctl(daemon, "status", "--run", "gone", "--timeout", "10")
         assert 0 == status.returncode, status.stdout + status.stderr
         wait_for(lambda: "probes=autograd,optimizer" in _ctl(daemon, "status", "--run", "gone").stdout)
-        abandoned = [e for e in daemon.log_lines() if e.get("event", "").startswith("command abandoned")]
+        abandoned = [e for e in daemon.log_lines() if str(e.get("event", "")).startswith("command abandoned")]
         assert [("enable", "gone")] == [(e.get("command"), e.get("run")) for e in abandoned]
         assert [] == [e for e in daemon.log_lines() if e.get("level") in ("warning", "error")
                       and e.get("event") != "agent disconnected"]
@@ -107,14 +118,8 @@ def test_a_daemon_gone_while_a_command_waits_is_reported_at_once_with_what_may_s
         daemon: DaemonProcess) -> None:
     """The daemon dies while `ctl enable` waits for a stopped rank: the client says so at once, exit 1, and that
     the rank may still apply the command (it has it), instead of waiting out its timeout."""
-    procs = _jobs(daemon, "died", steps=100000, sleep=0.02, ranks=1)
+    procs, client = _enable_waiting_on_a_stopped_rank(daemon, "died")
     try:
-        _wait_connected(daemon, "died", 1)
-        procs[0].send_signal(signal.SIGSTOP)
-        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "died",
-                                   "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env())
-        wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
         daemon.proc.kill()
         _, stderr = client.communicate(timeout=20)
         assert (1, "torchpulse: the daemon closed the connection without answering; ranks it reached may still "
