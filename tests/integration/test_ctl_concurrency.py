@@ -64,8 +64,6 @@ def test_a_command_right_after_a_restart_answers_for_every_rank_still_reconnecti
         assert 2 == len(lines)
         assert all(p.poll() is None for p in procs)
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGCONT)
         _stop(procs)
         current.stop()
 
