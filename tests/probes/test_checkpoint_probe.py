@@ -97,7 +97,15 @@ def test_async_save_is_announced_once_when_its_upload_finishes(agent: Any, tmp_p
     """async_save's inner save is not a second save; the announcement comes after the upload."""
     future = dcp.async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck", no_dist=True)
     getattr(future, "upload_completion", future).result()
-    assert [("async_save", str(tmp_path / "ck"))] == [(a["api"], a["path"]) for a in _announcements(agent)]
+    # result() returns once the upload's result is set, before the future runs its done callbacks (ours).
+    announced: list[dict[str, object]] = []
+    deadline = time.monotonic() + 10
+    while not announced and time.monotonic() < deadline:
+        announced += _announcements(agent)
+        time.sleep(0.01)
+    time.sleep(0.2)  # a second announcement would come as soon as the first did
+    announced += _announcements(agent)
+    assert [("async_save", str(tmp_path / "ck"))] == [(a["api"], a["path"]) for a in announced]
 
 
 def test_a_failing_save_raises_its_own_exception_and_announces_nothing(agent: Any) -> None:
