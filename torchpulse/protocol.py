@@ -121,6 +121,14 @@ class CheckpointSaved(msgspec.Struct, frozen=True):
     duration_seconds: float
     # Only rank 0 asks, so a checkpoint on shared storage is validated by one node.
     validate: bool
+    # The saved directory's st_dev and st_ino as the job saw them (None when it could not stat it, or an
+    # agent older than these fields). A job in a container names paths of its own mount namespace: the daemon
+    # validates the path only where it names this same directory, never an unrelated one at that path.
+    device: int | None = None
+    inode: int | None = None
+
+    def identity(self) -> tuple[int, int] | None:
+        return None if self.device is None or self.inode is None else (self.device, self.inode)
 
 
 def checkpoint_saved(event: LogEvent) -> CheckpointSaved | None:

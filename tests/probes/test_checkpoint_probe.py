@@ -106,6 +106,8 @@ def test_async_save_is_announced_once_when_its_upload_finishes(agent: Any, tmp_p
     time.sleep(0.2)  # a second announcement would come as soon as the first did
     announced += _announcements(agent)
     assert [("async_save", str(tmp_path / "ck"))] == [(a["api"], a["path"]) for a in announced]
+    info = (tmp_path / "ck").stat()  # what the daemon compares its own view of the path with
+    assert (info.st_dev, info.st_ino) == (announced[0]["device"], announced[0]["inode"])
 
 
 def test_a_failing_save_raises_its_own_exception_and_announces_nothing(agent: Any) -> None:

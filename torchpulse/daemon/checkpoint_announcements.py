@@ -4,6 +4,11 @@ Every user in the agent socket's group can connect, and the daemon reads with it
 (often a project group's) and exports what it finds: an announcement is passed on only for a
 directory of the announcing user (SO_PEERCRED), in their own or a shared writable parent, and
 never on a kernel filesystem (announcing /proc/PID/x made the daemon watch all of /proc).
+
+A job in a container names the path in its own mount namespace. The agent sends the directory's st_dev and
+st_ino with it, and the announcement is passed on only where the daemon's path names that same directory: a
+checkpoint bind-mounted at another host path was otherwise validated as whatever unrelated directory the host
+had at the container's path.
 """
 
 from __future__ import annotations
@@ -81,8 +86,8 @@ class Announcements:
             while self._queue:
                 run, rank, saved = self._queue.popleft()
                 try:
-                    refused = await off_loop(functools.partial(announcement_refused, saved.path, self._uid),
-                                             "torchpulse-announcement-check")
+                    check = functools.partial(announcement_refused, saved.path, self._uid, saved.identity())
+                    refused = await off_loop(check, "torchpulse-announcement-check")
                 except Exception:  # a daemon bug costs this announcement, never the next ones
                     log.exception("checkpoint announcement check failed", run=run, rank=rank, path=cut(saved.path))
                     continue
@@ -96,12 +101,13 @@ class Announcements:
             self._check = None
 
 
-def announcement_refused(path: str, uid: int | None) -> str | None:
+def announcement_refused(path: str, uid: int | None, identity: tuple[int, int] | None = None) -> str | None:
     """Why an agent of `uid` may not have the daemon validate `path` and watch its parent; None when it may.
 
     Blocking (stats; a network filesystem may stall). The daemon reads with its own permissions,
     often a project group's, and exports what it finds: a job points it only at directories its
-    own user owns (root's at any), and nobody's at a kernel filesystem.
+    own user owns (root's at any), and nobody's at a kernel filesystem. `identity` is (st_dev, st_ino)
+    of the directory the job saved, when its agent sent it: `path` must name that directory here too.
     """
     if uid is None:
         return "the announcing process cannot be identified (no SO_PEERCRED)"
@@ -111,7 +117,10 @@ def announcement_refused(path: str, uid: int | None) -> str | None:
         # symlink (`mine/link/../../theirs/ck` passed as a directory of the job's user).
         real = Path(normalize(path)).resolve(strict=True)
     except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
-        return f"cannot be resolved: {getattr(exc, 'strerror', None) or exc}"
+        reason = f"cannot be resolved: {getattr(exc, 'strerror', None) or exc}"
+        return reason if identity is None else f"{reason} ({_OTHER_NAMESPACE})"
+    if identity is not None and (mismatch := _another_directory(real, identity)):
+        return mismatch
     mounts = read_mounts()
     for directory in (real, real.parent):
         fs_type = fs_type_of(str(directory), mounts)
@@ -132,3 +141,24 @@ def announcement_refused(path: str, uid: int | None) -> str | None:
             continue
         return f"{directory} belongs to uid {info.st_uid}, not to the job's user (uid {uid})"
     return None
+
+
+# Why a path the job saved to is missing or another directory here; what the user does about it.
+_OTHER_NAMESPACE = ("if the job runs in a container (another mount namespace), mount the checkpoint directory at "
+                    "the same path in it as on the daemon's host, or list its host path as a [checkpoints] root")
+
+
+def _another_directory(real: Path, identity: tuple[int, int]) -> str | None:
+    """Why `real` is not the directory the job saved (identity: its st_dev, st_ino there); None when it is."""
+    try:
+        info = real.stat()
+    except OSError as exc:
+        return f"cannot stat {real}: {exc.strerror or exc}"
+    here = (info.st_dev, info.st_ino)
+    if here == identity:
+        return None
+    # The directory the job wrote has another identity: another mount namespace, a `..` that a symlink
+    # leads elsewhere in the job, or a directory replaced since the save. Validating it would report on
+    # a checkpoint the job never wrote.
+    return (f"{real} is not the directory the job saved (device:inode {identity[0]}:{identity[1]} in the job, "
+            f"{here[0]}:{here[1]} here); {_OTHER_NAMESPACE}")

@@ -77,6 +77,22 @@ def checkpoint_path(kwargs: dict[str, Any]) -> str | None:
     return text if "://" in text else absolute_path(text)
 
 
+def directory_identity(path: str | None, validate: bool) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the checkpoint directory the save just wrote, for the announcement that asks for its
+    validation; None for other ranks, URLs, or a directory already gone.
+
+    Taken on the thread that saw the save end, one stat of a directory it just wrote: the daemon compares it with
+    what the same path names on its side (another mount namespace, a container, can name another directory).
+    """
+    if not validate or path is None or "://" in path:
+        return None
+    try:
+        info = Path(path).stat()
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    return info.st_dev, info.st_ino
+
+
 def local_url_path(url: str) -> str:
     """The local path DCP's FsspecWriter writes `url` to, as fsspec resolves it; `url` itself without fsspec.
 
@@ -245,7 +261,8 @@ class CheckpointProbe(Probe):
         path = checkpoint_path(kwargs)
         validate = is_coordinator(kwargs)
         if api == "save":
-            self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.agent.record(self._saved, api, path, validate, seconds, directory_identity(path, validate))
             return
         # async_save returns a Future, or an AsyncSaveResponse whose upload is the commit.
         upload = getattr(result, "upload_completion", result)
@@ -259,7 +276,8 @@ class CheckpointProbe(Probe):
                 return
             error = future.exception()
             if error is None:
-                self.agent.record(self._saved, api, path, validate, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.agent.record(self._saved, api, path, validate, seconds, directory_identity(path, validate))
             elif isinstance(error, self._failures):
                 self.agent.record(self._save_failed, api, path, describe_failure(error),
                                   time.perf_counter() - started)
@@ -271,12 +289,14 @@ class CheckpointProbe(Probe):
         seconds = time.perf_counter() - started
         self.agent.record(self._save_failed, api, checkpoint_path(kwargs), describe_failure(exc), seconds)
 
-    def _saved(self, api: str, path: str | None, validate: bool, seconds: float) -> None:
+    def _saved(self, api: str, path: str | None, validate: bool, seconds: float,
+               identity: tuple[int, int] | None) -> None:
         """Sender thread: fold into the histogram and queue the announcement."""
         self.agent.store.observe("checkpoint_save_duration_seconds", (api,), seconds)
         if path is not None:
+            known = {} if identity is None else {"device": identity[0], "inode": identity[1]}
             self.agent.emit("info", CHECKPOINT_SAVED_EVENT, path=path, api=api, duration_seconds=round(seconds, 6),
-                            validate=validate)
+                            validate=validate, **known)
 
     def _save_failed(self, api: str, path: str | None, failure: SaveFailure, seconds: float) -> None:
         """Sender thread: count the failure under a bounded `error` label and log it in full."""
