@@ -67,6 +67,13 @@ class DaemonProcess:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/metrics"
 
+    def rss_mib(self) -> float:
+        """The daemon's resident memory now, in MiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
     def scrape_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             return str(response.read().decode())

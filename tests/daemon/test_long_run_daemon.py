@@ -25,13 +25,6 @@ from torchpulse.protocol import encode
 RUNS = 150  # four crashed ranks each: about 10 MB of exposition
 
 
-def _rss_mib(daemon: DaemonProcess) -> float:
-    for line in Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def _descriptors(daemon: DaemonProcess) -> int:
     return sum(1 for _ in Path(f"/proc/{daemon.proc.pid}/fd").iterdir())
 
@@ -75,7 +68,7 @@ def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_sta
     longest is cut off past it) and the scrapes queued behind a render get that render."""
     exposition = len(busy.scrape_text())
     assert exposition > 5_000_000
-    before, descriptors = _rss_mib(busy), _descriptors(busy)
+    before, descriptors = busy.rss_mib(), _descriptors(busy)
     stalled = []
     for _ in range(100):
         sock = socket.create_connection(("127.0.0.1", busy.port))
@@ -87,7 +80,7 @@ def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_sta
         for _ in range(8):
             time.sleep(0.25)
             worst_status = max(worst_status, _status_seconds(busy))
-            peak = max(peak, _rss_mib(busy))
+            peak = max(peak, busy.rss_mib())
         # A normal scrape is still served in full meanwhile (the scrape's own timings differ in length).
         text = busy.scrape_text()
         assert (True, True) == (abs(len(text) - exposition) < 1000, text.endswith('{collector="checkpoints"} 1.0\n'))

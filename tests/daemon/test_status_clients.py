@@ -37,13 +37,6 @@ RUNS, RANKS = 500, 8  # 4,000 crashed ranks, kept for the lost grace period: `st
 HOST = "node-" + "x" * 190  # a long host name: a reply of about 1.2 MB
 
 
-def _rss_mib(daemon: DaemonProcess) -> float:
-    for line in Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def _populate(daemon: DaemonProcess, runs: int = RUNS) -> None:
     """Ranks that said hello and went without a goodbye: the daemon remembers each one."""
     for run in range(runs):
@@ -104,7 +97,7 @@ def test_status_clients_that_never_read_neither_hold_up_agents_nor_hold_a_reply_
     """300 connections send StatusRequest (a 1.2 MB reply) and never read. Each reply was built on the
     loop in turn (a hello waited seconds for its welcome) and each connection held its own copy until the
     write timeout (300 MB). Now they share a build and the reply, and each holds a chunk of it at most."""
-    before = _rss_mib(known)
+    before = known.rss_mib()
     clients = _status_clients(known, 300)
     try:
         worst_hello, peak = 0.0, before
@@ -113,7 +106,7 @@ def test_status_clients_that_never_read_neither_hold_up_agents_nor_hold_a_reply_
             seconds, answer, agent = _hello(known, "newcomer")
             agent.close()
             assert isinstance(answer, Welcome), answer
-            worst_hello, peak = max(worst_hello, seconds), max(peak, _rss_mib(known))
+            worst_hello, peak = max(worst_hello, seconds), max(peak, known.rss_mib())
             time.sleep(0.1)
         # Another `torchpulse status` meanwhile gets the whole reply.
         assert RUNS + 1 == len(request_status(known.socket_path, timeout=30).runs)

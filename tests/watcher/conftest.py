@@ -24,12 +24,13 @@ from torchpulse.demo import crash_an_overwrite
 if TYPE_CHECKING:
     from tests.watcher.test_service import FakeWorker
 
-__all__ = ["SAVE_SCRIPT", "file_modes_bind", "idle", "rewrite_a_shard", "run_ranks", "run_service", "save_single",
-           "shut_out"]
+__all__ = ["CLONE_NEWNS", "SAVE_SCRIPT", "enter_user_namespace", "file_modes_bind", "idle", "rewrite_a_shard",
+           "run_ranks", "run_service", "save_single", "shut_out", "tried"]
 PR_CAPBSET_DROP = 24
 # Root passes every permission check through these two; without them, file modes bind it as any other user.
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
 NOBODY = 65534
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 
 
 def run_service(tmp_path: Path, config: CheckpointsConfig,
@@ -73,11 +74,26 @@ def file_modes_bind() -> Callable[[], None]:
 
     if os.geteuid() != 0:
         return lambda: None
+    return tried(preexec, "cannot drop root's file permission override")
+
+
+def tried(preexec: Callable[[], None], refused: str) -> Callable[[], None]:
+    """`preexec` once it has run in a trial child; where the kernel refuses it, the test skips saying `refused`."""
     try:
         subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, check=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot drop root's file permission override here: {exc}")
+        pytest.skip(f"{refused} here: {exc}")
     return preexec
+
+
+def enter_user_namespace(libc: ctypes.CDLL, uid: int, gid: int, flags: int = 0) -> None:
+    """In a preexec_fn: unshare a user namespace (and the namespaces in `flags`) where the caller's uid and gid
+    map onto themselves, the only ids there."""
+    if libc.unshare(CLONE_NEWUSER | flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+    Path("/proc/self/setgroups").write_text("deny")
+    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
+    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
 
 
 def shut_out(path: Path, mode: int = 0o700) -> None:

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.support import DaemonProcess, select, start_daemon, wait_for
+from tests.watcher.conftest import CLONE_NEWNS, enter_user_namespace, tried
 from torchpulse.daemon.checkpoint_announcements import announcement_refused
 from torchpulse.probes.checkpoint import directory_identity
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT, FieldValue, LogEvent, checkpoint_saved
 
 ANNOUNCE_JOB = Path(__file__).with_name("announce_job.py")
 REFUSED = "checkpoint announcement refused: not validated, its directory not watched"
-_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 
@@ -76,19 +76,14 @@ def _in_mount_namespace(source: Path, target: Path) -> Callable[[], None]:
             raise OSError(ctypes.get_errno(), what)
 
     def preexec() -> None:
-        check(libc.unshare(_CLONE_NEWNS | (0 if uid == 0 else _CLONE_NEWUSER)), "unshare")
-        if uid != 0:
-            Path("/proc/self/setgroups").write_text("deny")
-            Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-            Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        if uid == 0:
+            check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        else:
+            enter_user_namespace(libc, uid, gid, CLONE_NEWNS)
         check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
         check(libc.mount(bytes(source), bytes(target), None, _MS_BIND, None), "mount --bind")
 
-    try:
-        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot make a mount namespace with a bind mount here: {exc}")
-    return preexec
+    return tried(preexec, "cannot make a mount namespace with a bind mount")
 
 
 def _announce_in_namespace(daemon: DaemonProcess, out: Path, preexec: Callable[[], None]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import commit_copy, run_ranks, save_single
+from tests.watcher.conftest import commit_copy, enter_user_namespace, run_ranks, save_single, tried
 
 pytestmark = pytest.mark.slow
 ANNOUNCE_JOB = Path(__file__).with_name("announce_job.py")
@@ -100,18 +100,10 @@ def _with_inotify_watches(limit: int) -> Callable[[], None]:
     uid, gid = os.getuid(), os.getgid()
 
     def preexec() -> None:
-        if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
-        Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+        enter_user_namespace(libc, uid, gid)
         Path("/proc/sys/user/max_inotify_watches").write_text(str(limit))
 
-    try:
-        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=preexec, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot limit inotify watches in a user namespace here: {exc}")
-    return preexec
+    return tried(preexec, "cannot limit inotify watches in a user namespace")
 
 
 def test_a_root_past_the_kernels_inotify_watch_limit_is_polled_and_nothing_waits_for_a_sweep(
