@@ -11,7 +11,7 @@ import msgspec
 
 from tests.support import DaemonProcess, rejected_frames, select, send_raw, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
-from torchpulse.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Batch, Hello, Sample, encode
+from torchpulse.protocol import HEADER, MAGIC, PROTOCOL_VERSION, Batch, CtlRequest, Hello, Sample, encode
 
 HELLO = Hello("hostile", 0, 0, 1, os.getpid(), "h", "2.13.0", "0.1.0", "test", 0.0)
 
@@ -111,3 +111,20 @@ def test_runs_and_ranks_past_their_caps_are_refused_and_ended_ones_make_room(tmp
             sock.close()
     finally:
         daemon.stop()
+
+
+def test_bytes_after_a_ctl_request_get_an_error_reply_not_silence(daemon: DaemonProcess) -> None:
+    """A ctl client sends one request, then only waits; one that sends more while its command waits for a rank
+    is still there to read why it gets no answer (it used to be taken for a hang-up: no reply, an info line)."""
+    request = CtlRequest(HELLO.run, None, "enable", {"probe": "autograd"}, 30.0)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as agent:
+        agent.connect(str(daemon.socket_path))
+        agent.sendall(encode(HELLO))  # a rank that never answers: the command waits for it
+        wait_for(lambda: [HELLO.run] == [run.run for run in request_status(daemon.socket_path).runs])
+        raw = _send(daemon, encode(request) + b"?", close_write=False)
+    assert raw, "no reply: the client was taken for one that hung up"
+    reply = msgspec.msgpack.decode(raw[HEADER.size:])
+    assert ("unexpected_type", True) == (reply["code"], "'enable' command for run 'hostile' was dropped"
+                                         in reply["message"])
+    assert {"unexpected_type": 1} == rejected_frames(daemon)
+    assert [] == [e for e in daemon.log_lines() if str(e.get("event", "")).startswith("command abandoned")]

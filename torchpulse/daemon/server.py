@@ -358,16 +358,24 @@ class AgentServer:
         # the connections kept for status and ctl, so a few abandoned commands could lock operators out.
         handling = asyncio.ensure_future(self.control.handle(request, peer))
         hangup = asyncio.ensure_future(reader.read(1))
+        sent_more = False
         try:
             await asyncio.wait((handling, hangup), return_when=asyncio.FIRST_COMPLETED)
         finally:
             hangup.cancel()
             if hangup.done() and not hangup.cancelled():
-                hangup.exception()  # a reset connection is a hang-up too: retrieved, so asyncio does not log it
+                # A reset connection is a hang-up too (retrieved, so asyncio does not log it); bytes are not.
+                sent_more = hangup.exception() is None and bool(hangup.result())
             if not handling.done():
                 handling.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await handling  # unwinds at once: its commands leave the table of answers awaited
+        if handling.cancelled() and sent_more:
+            # Not a hang-up: a client that is still there is told why it gets no answer.
+            raise FrameError("unexpected_type", "a ctl connection carries one request and then waits for the "
+                             f"reply, but more bytes followed it: the {cut(request.name, MAX_NAME_CHARS)!r} "
+                             f"command for run {cut(request.run, MAX_NAME_CHARS)!r} was dropped (ranks it "
+                             "reached may still apply it)")
         if handling.cancelled():
             log.info("command abandoned by its client; ranks it reached may still apply it",
                      command=cut(request.name, MAX_NAME_CHARS), run=cut(request.run, MAX_NAME_CHARS),
