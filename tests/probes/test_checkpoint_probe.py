@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import REPO, local_agent, run_inline_ranks
+from tests.support import REPO, local_agent, run_inline_ranks, wait_for
 from torchpulse.probes.checkpoint import checkpoint_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -99,10 +99,12 @@ def test_async_save_is_announced_once_when_its_upload_finishes(agent: Any, tmp_p
     getattr(future, "upload_completion", future).result()
     # result() returns once the upload's result is set, before the future runs its done callbacks (ours).
     announced: list[dict[str, object]] = []
-    deadline = time.monotonic() + 10
-    while not announced and time.monotonic() < deadline:
-        announced += _announcements(agent)
-        time.sleep(0.01)
+
+    def announced_yet() -> bool:
+        announced.extend(_announcements(agent))
+        return bool(announced)
+
+    wait_for(announced_yet, timeout=10, interval=0.01)
     time.sleep(0.2)  # a second announcement would come as soon as the first did
     announced += _announcements(agent)
     assert [("async_save", str(tmp_path / "ck"))] == [(a["api"], a["path"]) for a in announced]
