@@ -14,7 +14,7 @@ from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
 from tests.support import REPO, DaemonProcess, wait_for
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Peer, Registry
-from torchpulse.protocol import CtlRequest
+from torchpulse.protocol import HEADER, Command, CtlRequest, Hello, decode_daemon_frame
 
 
 def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_command(
@@ -103,7 +103,8 @@ def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_ap
         assert 0 == status.returncode, status.stdout + status.stderr
         wait_for(lambda: "probes=autograd,optimizer" in _ctl(daemon, "status", "--run", "gone").stdout)
         abandoned = [e for e in daemon.log_lines() if str(e.get("event", "")).startswith("command abandoned")]
-        assert [("enable", "gone")] == [(e.get("command"), e.get("run")) for e in abandoned]
+        assert [("enable", "gone", [0])] == [(e.get("command"), e.get("run"), e.get("ranks_reached"))
+                                             for e in abandoned]
         assert [] == [e for e in daemon.log_lines() if e.get("level") in ("warning", "error")
                       and e.get("event") != "agent disconnected"]
     finally:
@@ -141,3 +142,31 @@ def test_right_after_a_start_a_command_waits_for_a_run_it_may_have_but_not_for_m
         return time.monotonic() - started
 
     assert (True, True) == (0.45 <= waited([0, 1]) < 0.9, waited(list(range(5))) < 0.1)
+
+
+def test_a_command_is_on_every_rank_connection_before_the_hub_first_waits() -> None:
+    """In-process: `handle` cancelled at its first wait, as a client's hang-up cancels it, has written the
+    command to both ranks, names them as reached, and leaves no answer awaited. The writes used to be left to
+    tasks of their own, started a loop pass later: a client gone in between (Ctrl-C right after its "command
+    received" line) had its command reach no rank, while the log said ranks might still apply it."""
+    registry = Registry()
+    hub = ControlHub(registry, lambda: "")
+    written: dict[int, list[bytes]] = {0: [], 1: []}
+    for rank in (0, 1):
+        _run, state = registry.connect(Hello("r", rank, 0, 2, 4242, "h", "2.13.0", "0.1.0", "test", 0.0), None)
+        state.channel, state.connection = written[rank].append, rank + 1
+
+    async def cancelled_at_first_wait() -> list[int]:
+        reached: list[int] = []
+        request = CtlRequest("r", None, "enable", {"probe": "autograd"}, 60.0)
+        handling = asyncio.ensure_future(hub.handle(request, Peer(os.getpid(), os.geteuid(), os.getegid()), reached))
+        await asyncio.sleep(0)  # `handle` runs up to its first wait
+        handling.cancel()
+        await asyncio.gather(handling, return_exceptions=True)
+        return reached
+
+    reached = asyncio.run(cancelled_at_first_wait())
+    commands = [[decode_daemon_frame(frame[HEADER.size:]) for frame in written[rank]] for rank in (0, 1)]
+    assert [0, 1] == reached
+    assert [["enable"], ["enable"]] == [[c.name for c in sent if isinstance(c, Command)] for sent in commands]
+    assert {} == hub._waiting

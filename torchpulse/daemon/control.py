@@ -23,6 +23,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -133,7 +134,7 @@ def _rate(state: RankState) -> float:
     return current_step(state) / elapsed if elapsed > 0 else 0.0
 
 
-def _logged_ranks(ranks: list[int] | None) -> list[int] | str | None:
+def logged_ranks(ranks: list[int] | None) -> list[int] | str | None:
     """The addressed ranks for the log: all of them when few, else the first ones and how many."""
     if ranks is None or len(ranks) <= MAX_LOGGED_RANKS:
         return ranks
@@ -163,7 +164,9 @@ class ControlHub:
             if sent_on == connection and not future.done():
                 future.set_exception(Disconnected())
 
-    async def handle(self, request: CtlRequest, peer: Peer | None) -> CtlReply:
+    async def handle(self, request: CtlRequest, peer: Peer | None, reached: list[int] | None = None) -> CtlReply:
+        """Route `request` and gather the answers; the ranks it was sent to are added to `reached`, so that a
+        caller that gives up waiting can tell which ranks may still apply it."""
         who = {"uid": peer.uid if peer else None, "pid": peer.pid if peer else None}
         # A client's inf would wait for ever and its NaN would poison the loop's timer heap.
         timeout = min(request.timeout, MAX_COMMAND_TIMEOUT) if request.timeout > 0 else MAX_COMMAND_TIMEOUT
@@ -174,7 +177,7 @@ class ControlHub:
         caller = authorize(peer, self.control_group(), run)
         # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
         command, run_name = cut(request.name, MAX_NAME_CHARS), cut(request.run, MAX_NAME_CHARS)
-        log.info("command received", command=command, run=run_name, ranks=_logged_ranks(request.ranks),
+        log.info("command received", command=command, run=run_name, ranks=logged_ranks(request.ranks),
                  args=bounded_fields(request.args), **who)
         if run is None:
             return CtlReply(request.run, request.name, [])
@@ -188,8 +191,18 @@ class ControlHub:
                 args["start_step"] = await self._trace_start([run.ranks[r] for r in wanted if r in run.ranks])
                 # While it was planned, the run may have ended and another user's job taken its ranks.
                 authorize(caller, self.control_group(), run)
-        results = await asyncio.gather(*(
-            self._one(run.ranks.get(rank), rank, request.name, args, wait, asked=timeout) for rank in wanted))
+        # Sent to every rank before the first await: a client gone while the answers are awaited (Ctrl-C) has
+        # had its command delivered to each rank it named, as its "command received" line tells.
+        sent = [self._send(run.ranks.get(rank), rank, request.name, args) for rank in wanted]
+        if reached is not None:
+            reached.extend(rank for rank, one in zip(wanted, sent, strict=True) if isinstance(one, _Sent))
+        try:
+            results = await asyncio.gather(*(self._answer(one, wait, asked=timeout) for one in sent))
+        finally:
+            # Cancelled before a wait began, its `finally` never runs: answers no one waits for must not pile up.
+            for one in sent:
+                if isinstance(one, _Sent):
+                    self._waiting.pop(one.command_id, None)
         for result in results:
             log.info("command result", command=command, run=run_name, rank=result.rank,
                      status=result.status, message=cut(result.message), **who)
@@ -272,32 +285,57 @@ class ControlHub:
                 "the command stays queued and applies there if the rank gets there)")
 
     async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
-                   timeout: float, explain: bool = True, asked: float | None = None) -> RankResult:
-        """Send one command and wait `timeout` seconds for its answer; `asked` is the timeout the client asked
-        for, which a timeout's message names (the wait may be shorter: part of it went to reconnecting ranks)."""
+                   timeout: float, explain: bool = True) -> RankResult:
+        """Send one command and wait `timeout` seconds for its answer."""
+        return await self._answer(self._send(state, rank, name, args), timeout, explain)
+
+    def _send(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue]) -> _Sent | RankResult:
+        """Write one command to the rank's connection, or the result that says why it could not be."""
         if state is None:
             return RankResult(rank, "not_connected", "no such rank in this run", {})
         if not state.connected or state.channel is None:
             return RankResult(rank, "not_connected", "rank is not connected", {})
         command_id = next(self._ids)
         future: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-        self._waiting[command_id] = (state, state.connection, future)
         try:
             state.channel(encode(Command(command_id, name, args)))
-            result = await asyncio.wait_for(future, timeout)
+        except (ConnectionError, RuntimeError) as exc:
+            return RankResult(rank, "failed", f"could not send: {exc}", {})
+        self._waiting[command_id] = (state, state.connection, future)
+        return _Sent(state, rank, name, args, command_id, future)
+
+    async def _answer(self, sent: _Sent | RankResult, timeout: float, explain: bool = True,
+                      asked: float | None = None) -> RankResult:
+        """Wait `timeout` seconds for the answer to a command sent; `asked` is the timeout the client asked
+        for, which a timeout's message names (the wait may be shorter: part of it went to reconnecting ranks)."""
+        if isinstance(sent, RankResult):
+            return sent
+        try:
+            result = await asyncio.wait_for(sent.future, timeout)
         except TimeoutError:
             timed_out = True
         except Disconnected:
-            return RankResult(rank, "not_connected", "the rank disconnected before answering (it exited, "
+            return RankResult(sent.rank, "not_connected", "the rank disconnected before answering (it exited, "
                               "detached or reconnected)", {})
-        except (ConnectionError, RuntimeError) as exc:
-            return RankResult(rank, "failed", f"could not send: {exc}", {})
         else:
             timed_out = False
         finally:
-            self._waiting.pop(command_id, None)
+            self._waiting.pop(sent.command_id, None)
         if timed_out:
             # Explaining asks the agent for its step: a question that must not be explained in turn.
-            message = await self._timeout_message(state, name, args, asked or timeout) if explain else "no answer"
-            return RankResult(rank, "timeout", message, {})
-        return RankResult(rank, "ok" if result.ok else "failed", result.message, result.data)
+            message = (await self._timeout_message(sent.state, sent.name, sent.args, asked or timeout) if explain
+                       else "no answer")
+            return RankResult(sent.rank, "timeout", message, {})
+        return RankResult(sent.rank, "ok" if result.ok else "failed", result.message, result.data)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A command written to a rank's connection, its answer awaited."""
+
+    state: RankState
+    rank: int
+    name: str
+    args: dict[str, FieldValue]
+    command_id: int
+    future: asyncio.Future[CommandResult]

@@ -30,7 +30,7 @@ import structlog
 import torchpulse
 from torchpulse.aio import HeldReplies, close_connection
 from torchpulse.daemon.checkpoint_announcements import Announcements
-from torchpulse.daemon.control import ControlHub, NotAuthorized
+from torchpulse.daemon.control import ControlHub, NotAuthorized, logged_ranks
 from torchpulse.daemon.log_settings import LOG_LEVELS
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
 from torchpulse.daemon.peercred import peer_of
@@ -356,7 +356,8 @@ class AgentServer:
         # A ctl client sends one frame, then only waits: the end of its stream means it hung up (Ctrl-C). The
         # command is then dropped here at once: waiting on for a hung rank's answer (up to an hour) held one of
         # the connections kept for status and ctl, so a few abandoned commands could lock operators out.
-        handling = asyncio.ensure_future(self.control.handle(request, peer))
+        reached: list[int] = []
+        handling = asyncio.ensure_future(self.control.handle(request, peer, reached))
         hangup = asyncio.ensure_future(reader.read(1))
         sent_more = False
         try:
@@ -379,6 +380,7 @@ class AgentServer:
         if handling.cancelled():
             log.info("command abandoned by its client; ranks it reached may still apply it",
                      command=cut(request.name, MAX_NAME_CHARS), run=cut(request.run, MAX_NAME_CHARS),
+                     ranks_reached=logged_ranks(reached),
                      uid=peer.uid if peer else None, pid=peer.pid if peer else None)
             return
         try:
