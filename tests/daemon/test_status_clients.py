@@ -151,11 +151,17 @@ def test_past_the_budget_the_status_client_stuck_the_longest_is_cut_off(known: D
     nothing. The replies were held until the write timeout; now past 64 MiB the oldest connections are cut
     off (their replies end early), and the newest still gets its reply whole."""
     whole = len(encode(request_status(known.socket_path, timeout=30)))
-    clients = []
+    clients: list[socket.socket] = []
     try:
         for _ in range(70):
-            clients += _status_clients(known, 1)
-            time.sleep(0.04)  # more than twice a build: each client gets a reply of its own
+            [sock] = _status_clients(known, 1)
+            clients.append(sock)
+            # A request read while a build is pending shares that build, and a shared body counts once against
+            # the budget. A sleep "longer than two builds" let builds be shared where a loaded machine built
+            # slowly; once this client's reply has started (its build ran), the next request gets a build of
+            # its own, however long builds take.
+            sock.settimeout(30)
+            assert sock.recv(1, socket.MSG_PEEK), "the daemon closed the connection without a reply"
         first, last = _received(clients[0]), _received(clients[-1])
     finally:
         for sock in clients:

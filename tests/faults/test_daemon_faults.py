@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
+from torchpulse.probes.transport import HEARTBEAT_INTERVAL
 from torchpulse.protocol import Hello, encode
 
 # Puts the listening socket on fd 3 and sets LISTEN_PID to its own pid (as systemd does for the
@@ -104,11 +105,18 @@ def test_a_peer_killed_mid_frame_is_counted_and_the_daemon_serves_on(daemon: Dae
     frame = encode(Hello("half", 0, 0, 1, 1, "h", "2.13", "0.1.0", "x", 0.0))
     code = ("import socket, os, sys, time\n"
             "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(sys.argv[1])\n"
-            f"s.sendall({frame[:len(frame) // 2]!r}); time.sleep(30)\n")
-    child = subprocess.Popen([sys.executable, "-c", code, str(daemon.socket_path)])
-    time.sleep(1.0)
-    child.send_signal(signal.SIGKILL)
-    child.wait(10)
+            f"s.sendall({frame[:len(frame) // 2]!r}); print('sent', flush=True); time.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(daemon.socket_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        # Killed only once the half frame is sent: killed before (a slow start on a loaded machine), the
+        # daemon saw no connection, or one that ended cleanly between frames, and counted nothing.
+        assert child.stdout is not None
+        assert "sent\n" == child.stdout.readline()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
     wait_for(lambda: 1.0 == select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total",
                                    reason="truncated").get((("reason", "truncated"),)))
     assert [] == request_status(daemon.socket_path).runs
@@ -116,31 +124,52 @@ def test_a_peer_killed_mid_frame_is_counted_and_the_daemon_serves_on(daemon: Dae
 
 def test_a_job_stuck_in_a_long_step_stays_up_and_answers_status(daemon: DaemonProcess, tmp_path: Path) -> None:
     """While the main thread sleeps inside a step, heartbeats keep the rank up and ctl status answers."""
-    script = tmp_path / "stuck.py"
+    script, entered, release = tmp_path / "stuck.py", tmp_path / "entered", tmp_path / "release"
+    # The long step lasts until the test has checked everything (`release`), two minutes at most: a step of a
+    # fixed 12 s could end, on a loaded machine, before the checks inside it were done. `entered` holds the
+    # monotonic time (the same clock in every process) at which the step began, written whole by a rename.
     script.write_text(
-        "import time, torch, torchpulse\n"
+        "import os, sys, time, torch, torchpulse\n"
+        "entered, release = sys.argv[1:]\n"
         "torchpulse.attach(probes=('optimizer',))\n"
         "m = torch.nn.Linear(2, 2); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
         "for i in range(3):\n"
         "    m(torch.ones(1, 2)).sum().backward(); o.step()\n"
-        "    if i == 1:\n"
-        "        time.sleep(12)  # the long step\n")
-    job = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=daemon.env(TORCHPULSE_RUN="stuck"))
+        "    if i == 1:  # the long step\n"
+        "        with open(entered + '.tmp', 'w') as f:\n"
+        "            f.write(repr(time.monotonic()))\n"
+        "        os.rename(entered + '.tmp', entered)\n"
+        "        deadline = time.monotonic() + 120\n"
+        "        while not os.path.exists(release) and time.monotonic() < deadline:\n"
+        "            time.sleep(0.05)\n")
+    job = subprocess.Popen([sys.executable, str(script), str(entered), str(release)], cwd=REPO,
+                           env=daemon.env(TORCHPULSE_RUN="stuck"))
     try:
-        wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_agent_up", run="stuck")), timeout=60)
-        time.sleep(7)  # past the 5 s heartbeat interval, still inside the long step
+        wait_for(entered.exists, timeout=60)
+        began = float(entered.read_text())
+
+        def heard_from_inside_the_step() -> bool:
+            # A frame that arrived more than half a heartbeat interval into the step: the step's own batch is
+            # sent within a flush interval (0.25 s), so this is a heartbeat sent while the main thread waits.
+            asked = time.monotonic()  # before the daemon's own clock reading: `heard` errs early, never late
+            runs = request_status(daemon.socket_path).runs
+            heard = [asked - rank.last_seen_seconds_ago for run in runs if run.run == "stuck" for rank in run.ranks]
+            return bool(heard) and heard[0] > began + HEARTBEAT_INTERVAL / 2
+
+        wait_for(heard_from_inside_the_step, timeout=30)
         assert {(("rank", "0"), ("run", "stuck")): 1.0} == select(daemon.scrape(), "torchpulse_agent_up", run="stuck")
         status = subprocess.run([sys.executable, "-m", "torchpulse", "ctl", "status", "--run", "stuck",
                                  "--socket", str(daemon.socket_path), "--timeout", "5"],
                                 cwd=REPO, capture_output=True, text=True, timeout=60, env=daemon.env())
         assert 0 == status.returncode, status.stdout
         assert " step=2 " in status.stdout
-        [rank] = request_status(daemon.socket_path).runs[0].ranks
-        assert rank.last_seen_seconds_ago < 6
+        release.touch()
         assert 0 == job.wait(60)
     finally:
+        release.touch()
         if job.poll() is None:
             job.kill()
+            job.wait(10)
 
 
 def test_an_unusable_state_directory_degrades_with_one_clear_line(tmp_path: Path) -> None:
