@@ -18,9 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, DaemonProcess, as_user, select, start_daemon, wait_for
+from tests.support import (
+    REPO,
+    DaemonProcess,
+    Samples,
+    as_user,
+    parse_exposition,
+    select,
+    start_daemon,
+    wait_for,
+)
 from torchpulse import cli
-from torchpulse.daemon.client import send_ctl
+from torchpulse.daemon.client import request_status, send_ctl
 from torchpulse.protocol import Batch, CtlRequest, Hello, Sample, encode
 
 
@@ -54,6 +63,43 @@ def _ctl_as_user(uid: int, argv: list[str]) -> tuple[int, str]:
 
 def _wait_connected(daemon: DaemonProcess, run: str, ranks: int = 2) -> None:
     wait_for(lambda: ranks == sum(select(daemon.scrape(), "torchpulse_agent_up", run=run).values()), timeout=60)
+
+
+def _fresh_scrape(daemon: DaemonProcess) -> Samples:
+    """A scrape rendered after this call began.
+
+    The exporter serves a render again while it is younger than the time it took, so a scrape may show the
+    state from before a change the test has seen on another channel. Renders differ from one another (each
+    carries its collectors' durations): a body unlike the first one fetched here was rendered since.
+    """
+    first = daemon.scrape_text()
+    latest = [first]
+
+    def rendered_since() -> bool:
+        latest[0] = daemon.scrape_text()
+        return latest[0] != first
+
+    wait_for(rendered_since)
+    return parse_exposition(latest[0])
+
+
+def _batch_since(daemon: DaemonProcess, run: str, rank: int, since: float) -> bool:
+    """Whether the daemon took a batch of the rank after `since` (time.monotonic(), the daemon's clock too)."""
+    asked = time.monotonic()  # before the daemon's "now": the batch came no earlier than asked - seconds_ago
+    for state in request_status(daemon.socket_path).runs:
+        for rank_status in state.ranks:
+            if state.run == run and rank_status.rank == rank:
+                # last_seen_seconds_ago is rounded to the millisecond: a margin of one keeps the answer sound.
+                return asked - rank_status.last_seen_seconds_ago > since + 0.001
+    return False
+
+
+def _agent_step(daemon: DaemonProcess, run: str) -> int:
+    """The step counter of rank 0's agent, from `ctl status` (answered at once by its agent thread)."""
+    reply = send_ctl(daemon.socket_path, CtlRequest(run, [0], "status", {}, 20.0), 30.0)
+    step = reply.results[0].data.get("step")
+    assert isinstance(step, int), reply
+    return step
 
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
@@ -92,14 +138,22 @@ def test_disable_takes_effect_at_the_next_step_and_enable_resumes(daemon: Daemon
     procs = _jobs(daemon, "ed", steps=100000, sleep=0.005, ranks=1)
 
     def steps() -> float:
-        return sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="ed").values())
+        return sum(select(_fresh_scrape(daemon), "torchpulse_optimizer_steps_total", run="ed").values())
 
     try:
         _wait_connected(daemon, "ed", 1)
         assert 0 == _ctl(daemon, "disable", "optimizer", "--run", "ed").returncode
-        time.sleep(0.6)  # one flush interval and more
+        answered = time.monotonic()
+        # The answer may have gone out ahead of the batch with the rank's last counted step: the sender
+        # drained the step values, the training thread then applied the command and queued its answer, and
+        # the sender sent the older batch, then the answer. That step comes in the sender's next batch: once
+        # the daemon has taken a batch of the rank's since the answer came, it holds the final count. (With
+        # nothing left to send, that batch is the agent's heartbeat, a few seconds on.)
+        wait_for(lambda: _batch_since(daemon, "ed", 0, answered), timeout=30)
         frozen = steps()
-        time.sleep(0.8)
+        # Frozen while the job steps on: the rank's own counter (which `ctl status` reads) moves past it.
+        moved_from = _agent_step(daemon, "ed")
+        wait_for(lambda: _agent_step(daemon, "ed") >= moved_from + 50, timeout=30)
         assert frozen == steps()
         assert 0 == _ctl(daemon, "enable", "optimizer", "--run", "ed").returncode
         wait_for(lambda: steps() > frozen, timeout=10)
@@ -242,20 +296,47 @@ def test_a_rank_named_twice_gets_the_command_once_and_an_unknown_rank_is_named(d
         _stop(procs)
 
 
+# A training loop that ends on its own three steps into a trace: its last step comes while the profiler
+# captures, however long the command took to reach it (a job of a fixed number of steps may end before).
+JOB_ENDING_MID_TRACE = """
+import time
+
+import torch
+
+model = torch.nn.Linear(8, 8)
+optimizer = torch.optim.AdamW(model.parameters())
+traced = 0
+while traced < 3:
+    optimizer.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # the agent starts a trace in a hook of the step before the trace's first one
+    traced += torch._C._autograd._profiler_enabled()  # torch's own flag: a profiler is capturing
+    time.sleep(0.01)
+"""
+
+
 def test_a_job_that_ends_mid_trace_exits_cleanly_and_says_so(daemon: DaemonProcess, tmp_path: Path) -> None:
     """The job finishes its last step while a long trace is capturing: it exits 0, its profiler is stopped by
     the agent's detach, and `ctl` reports a failure at once instead of a timeout."""
-    procs = _jobs(daemon, "short", steps=60, sleep=0.05, ranks=1)
+    script = tmp_path / "job.py"
+    script.write_text(JOB_ENDING_MID_TRACE)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", "short", "--", sys.executable, str(script)],
+        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=daemon.env(RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
     try:
-        _wait_connected(daemon, "short", 1)
+        # Stepping already: the trace's first step is then planned from the job's real step rate.
+        wait_for(lambda: 5 <= sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="short").values()),
+                 timeout=60)
         started = time.monotonic()
-        result = _ctl(daemon, "trace", "--run", "short", "--steps", "100", "--out", str(tmp_path), "--timeout", "300")
+        result = _ctl(daemon, "trace", "--run", "short", "--steps", "100", "--out", str(tmp_path / "traces"),
+                      "--timeout", "300")
         assert time.monotonic() - started < 60
         assert 1 == result.returncode
         assert re.fullmatch(r"rank   0  failed        the agent detached before the trace of steps \d+\.\.\d+ was "
                             r"complete; nothing was written", result.stdout.strip()), result.stdout + result.stderr
-        assert 0 == procs[0].wait(60)
-        assert procs[0].stderr is not None
-        assert "Traceback" not in procs[0].stderr.read()
+        _, stderr = job.communicate(timeout=60)
+        assert 0 == job.returncode, stderr
+        assert "Traceback" not in stderr
     finally:
-        _stop(procs)
+        _stop([job])
