@@ -112,6 +112,13 @@ class DaemonProcess:
         return start_daemon(self.state_dir.parent, self.socket_path, self.port, self.extra_args)
 
 
+def reload_config(daemon: DaemonProcess, config: Path, text: str, event: str = "config reloaded") -> None:
+    """Rewrite the daemon's config file, send SIGHUP, and wait for the daemon to log `event`."""
+    config.write_text(text)
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: any(e.get("event") == event for e in daemon.log_lines()))
+
+
 def start_daemon(tmp: Path, socket_path: Path | None = None, port: int | None = None,
                  extra_args: list[str] | None = None, env: Mapping[str, str] | None = None,
                  preexec: Callable[[], None] | None = None) -> DaemonProcess:

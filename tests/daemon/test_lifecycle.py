@@ -8,14 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import DaemonProcess, parse_exposition, select, start_daemon, wait_for
-
-
-def _reload_with(daemon: DaemonProcess, config: Path, text: str, event: str = "config reloaded") -> None:
-    """Rewrite the config, send SIGHUP, and wait for the daemon to log `event`."""
-    config.write_text(text)
-    daemon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: any(e.get("event") == event for e in daemon.log_lines()))
+from tests.support import parse_exposition, reload_config, select, start_daemon, wait_for
 
 
 def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Path) -> None:
@@ -24,8 +17,8 @@ def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Pa
     config.write_text("[runs]\nseries_limit_per_run = 100\n")
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
     try:
-        _reload_with(daemon, config, "[runs]\nseries_limit_per_run = 7\n")
-        _reload_with(daemon, config, "[runs]\nseries_limit_per_run = 'many'\n",
+        reload_config(daemon, config, "[runs]\nseries_limit_per_run = 7\n")
+        reload_config(daemon, config, "[runs]\nseries_limit_per_run = 'many'\n",
                      "config reload failed; keeping the running config")
         assert daemon.proc.poll() is None
         assert 1.0 == select(daemon.scrape(), "torchpulse_build_info", version="0.1.0")[
@@ -93,7 +86,7 @@ def test_a_reload_applies_the_log_level_and_keeps_command_line_flags(tmp_path: P
     config.write_text('[daemon]\nlog_level = "info"\n')
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
     try:
-        _reload_with(daemon, config, '[daemon]\nlog_level = "warning"\n')
+        reload_config(daemon, config, '[daemon]\nlog_level = "warning"\n')
         assert not [e for e in daemon.log_lines() if e.get("event") == "these keys need a restart to take effect"]
         before = len(daemon.log_lines())
         send_raw(daemon.socket_path, encode(StatusRequest()))

@@ -190,9 +190,14 @@ def test_a_client_that_stops_reading_is_cut_off(monkeypatch: pytest.MonkeyPatch)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", server.port))
         sock.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" * 4)
-        await asyncio.sleep(0.3)
-        during = server._open  # stuck writing the first 8 MB response
         loop = asyncio.get_running_loop()
+        # Counted once its task starts, a few loop passes after the accept: after a stall of the loop (a loaded
+        # machine) a sleep's timer can end first. Checked every pass instead; the connection then stays
+        # counted for WRITE_TIMEOUT, stuck writing the first 8 MB response, so no pass-by-pass check misses it.
+        deadline = loop.time() + 5
+        while server._open != 1 and loop.time() < deadline:
+            await asyncio.sleep(0)
+        during = server._open
         deadline = loop.time() + 5
         while server._open and loop.time() < deadline:
             await asyncio.sleep(0.05)
