@@ -74,6 +74,42 @@ class DaemonProcess:
                 return int(line.split()[1]) / 1024
         raise AssertionError("no VmRSS")
 
+    def descriptors(self) -> int:
+        """How many descriptors the daemon holds open now."""
+        return sum(1 for _ in Path(f"/proc/{self.proc.pid}/fd").iterdir())
+
+    def settled_descriptors(self, quiet: float = 1.0) -> int:
+        """The daemon's descriptor count once it has not changed for `quiet` seconds.
+
+        The daemon closes its side of a connection its client is done with (a status reply read, a scrape
+        answered, an agent gone) a loop pass or more later, much later on a loaded machine: a count read at
+        once can include it. Such a baseline never sees `baseline + 5` with five new connections (the closing
+        one goes), and `<= baseline` would pass with one of them still open.
+        """
+        changes: list[tuple[float, int]] = []  # (since when, count)
+
+        def settled() -> bool:
+            now, count = time.monotonic(), self.descriptors()
+            if not changes or changes[-1][1] != count:
+                changes.append((now, count))
+            return now - changes[-1][0] >= quiet
+
+        wait_for(settled, timeout=20)
+        return changes[-1][1]
+
+    def last_frame_after(self, run: str, rank: int = 0) -> float | None:
+        """A time (time.monotonic(): one clock for every process) before which the daemon's last frame from
+        `rank` of `run` did not arrive; None while the daemon has no such rank."""
+        from torchpulse.daemon.client import request_status
+
+        asked = time.monotonic()  # before the daemon's own "now": the bound errs early, never late
+        for state in request_status(self.socket_path).runs:
+            for rank_status in state.ranks:
+                if state.run == run and rank_status.rank == rank:
+                    # last_seen_seconds_ago is rounded to the millisecond: a margin of one keeps the bound sound.
+                    return asked - rank_status.last_seen_seconds_ago - 0.001
+        return None
+
     def scrape_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             return str(response.read().decode())
@@ -110,6 +146,26 @@ class DaemonProcess:
     def restart(self) -> DaemonProcess:
         """Start a new daemon process on the same socket, port and state."""
         return start_daemon(self.state_dir.parent, self.socket_path, self.port, self.extra_args)
+
+
+def child_of(pid: int, arg: bytes | None = None, timeout: float = 20.0) -> int:
+    """The pid of a process whose parent is `pid` and, given `arg`, whose command line has that argument (a
+    child forked but not yet exec'd still has its parent's)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat, argv = (entry / "stat").read_text(), (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            # The field after "(comm) state" is the ppid.
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (arg is None or arg in argv):
+                return int(entry.name)
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} started no child{'' if arg is None else f' with argument {arg!r}'} "
+                         f"within {timeout} s")
 
 
 def reload_config(daemon: DaemonProcess, config: Path, text: str, event: str = "config reloaded") -> None:

@@ -6,7 +6,6 @@ Real daemon processes, real sockets; measured from /proc and from /metrics.
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,30 +20,6 @@ SUPPRESSED = "agent log events suppressed: this rank sends more than the daemon 
 # Ended runs are held for an hour while a test looks at them, then for a second (the test reloads the config).
 LONG_GRACE = "[runs]\ngrace_period_seconds = 3600\nlost_grace_period_seconds = 3600\n"
 SHORT_GRACE = "[runs]\ngrace_period_seconds = 1\nlost_grace_period_seconds = 1\n"
-
-
-def _descriptors(daemon: DaemonProcess) -> int:
-    return sum(1 for _ in Path(f"/proc/{daemon.proc.pid}/fd").iterdir())
-
-
-def _settled_descriptors(daemon: DaemonProcess, quiet: float = 1.0) -> int:
-    """The daemon's descriptor count once it has not changed for `quiet` seconds.
-
-    The daemon closes its side of a connection its client is done with (a status reply read, a scrape
-    answered, an agent gone) a loop pass or more later, much later on a loaded machine: a count read at
-    once can include it. Such a baseline never sees `baseline + 5` with five new connections (the closing
-    one goes), and `<= baseline` would pass with one of them still open.
-    """
-    changes: list[tuple[float, int]] = []  # (since when, count)
-
-    def settled() -> bool:
-        now, count = time.monotonic(), _descriptors(daemon)
-        if not changes or changes[-1][1] != count:
-            changes.append((now, count))
-        return now - changes[-1][0] >= quiet
-
-    wait_for(settled, timeout=20)
-    return changes[-1][1]
 
 
 def _connect(path: Path, run: str, rank: int, pid: int) -> socket.socket:
@@ -83,7 +58,7 @@ def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(churn_
     """1,000 runs of one short rank each (a third crash): after the grace period the exposition, the
     descriptors and `status` are what they were before any of them connected."""
     daemon = churn_daemon
-    series, descriptors = _series(daemon), _settled_descriptors(daemon)
+    series, descriptors = _series(daemon), daemon.settled_descriptors()
     for n in range(1000):
         _session(daemon.socket_path, f"job-{n}", n % 8, goodbye=n % 3 != 0)
     # With a 1 s grace period from the start, housekeeping (every second) forgot the first runs while the
@@ -94,7 +69,7 @@ def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(churn_
     wait_for(lambda: not request_status(daemon.socket_path).runs, timeout=20)
     assert series == _series(daemon)
     # A descriptor may be open for a moment (a scrape's, the state store's): wait for it to settle.
-    wait_for(lambda: _descriptors(daemon) <= descriptors, timeout=10)
+    wait_for(lambda: daemon.descriptors() <= descriptors, timeout=10)
 
 
 def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: Path) -> None:
@@ -106,7 +81,7 @@ def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: P
             for rank in range(8):
                 _session(daemon.socket_path, f"a-run-with-a-realistic-name-{n:04d}", rank, goodbye=False)
         wait_for(lambda: 600 == len(request_status(daemon.socket_path).runs), timeout=20)
-        baseline = _settled_descriptors(daemon)  # not the connection of the request_status just answered
+        baseline = daemon.settled_descriptors()  # not the connection of the request_status just answered
         stalled = []
         for _ in range(5):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -114,9 +89,9 @@ def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: P
             sock.sendall(encode(StatusRequest()))
             stalled.append(sock)
         # Each reply takes the loop a moment to build: wait for all five (well inside WRITE_TIMEOUT).
-        wait_for(lambda: baseline + 5 <= _descriptors(daemon), timeout=5)
+        wait_for(lambda: baseline + 5 <= daemon.descriptors(), timeout=5)
         # WRITE_TIMEOUT (10 s) and some slack for a loaded machine.
-        wait_for(lambda: _descriptors(daemon) <= baseline, timeout=20)
+        wait_for(lambda: daemon.descriptors() <= baseline, timeout=20)
         assert 600 == len(request_status(daemon.socket_path).runs)
         for sock in stalled:
             sock.close()

@@ -25,10 +25,6 @@ from torchpulse.protocol import encode
 RUNS = 150  # four crashed ranks each: about 10 MB of exposition
 
 
-def _descriptors(daemon: DaemonProcess) -> int:
-    return sum(1 for _ in Path(f"/proc/{daemon.proc.pid}/fd").iterdir())
-
-
 def _crashed_rank(path: Path, run: str, rank: int) -> None:
     """A rank with the series a real job sends (histograms, autograd nodes), gone without a goodbye."""
     agent = SimAgent(run, rank, random.Random(rank))
@@ -68,7 +64,7 @@ def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_sta
     longest is cut off past it) and the scrapes queued behind a render get that render."""
     exposition = len(busy.scrape_text())
     assert exposition > 5_000_000
-    before, descriptors = busy.rss_mib(), _descriptors(busy)
+    before, descriptors = busy.rss_mib(), busy.descriptors()
     stalled = []
     for _ in range(100):
         sock = socket.create_connection(("127.0.0.1", busy.port))
@@ -87,7 +83,7 @@ def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_sta
     finally:
         for sock in stalled:
             sock.close()
-    wait_for(lambda: _descriptors(busy) <= descriptors, timeout=10)
+    wait_for(lambda: busy.descriptors() <= descriptors, timeout=10)
     # The budget (128 MiB), a few renders, and slack for the allocator.
     assert (peak - before < 400, worst_status < 5.0) == (True, True), (peak - before, worst_status)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import DaemonProcess, select, start_daemon, wait_for
+from tests.support import DaemonProcess, child_of, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy
 
 pytestmark = pytest.mark.slow
 
-WORKER_MODULE = b"torchpulse.checkpoints.worker"  # in the argv of the worker the daemon validates in
+WORKER_MODULE = b"torchpulse.checkpoints.worker"  # in the command line of the worker the daemon validates in
 
 
 @pytest.fixture
@@ -39,24 +39,6 @@ def _validations(daemon: DaemonProcess, root: Path) -> dict[str, float]:
 
 def _validated(daemon: DaemonProcess) -> Counter[str]:
     return Counter(str(e["path"]) for e in daemon.log_lines() if e.get("event") == "checkpoint validated")
-
-
-def _validation_worker(daemon: DaemonProcess, timeout: float = 60.0) -> int:
-    """The pid of the daemon's validation worker (`python -m torchpulse.checkpoints.worker`), once it runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat, argv = (entry / "stat").read_text(), (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:  # gone meanwhile
-                continue
-            # The field after "(comm) state" is the ppid. A child forked but not yet exec'd has the daemon's argv.
-            if int(stat.rsplit(")", 1)[1].split()[1]) == daemon.proc.pid and WORKER_MODULE in argv:
-                return int(entry.name)
-        time.sleep(0.005)
-    raise AssertionError(f"the daemon started no validation worker within {timeout} s")
 
 
 def test_fifty_checkpoints_at_once_are_each_validated_exactly_once(
@@ -87,7 +69,7 @@ def test_a_checkpoint_deleted_during_validation_is_reported_and_the_daemon_goes_
         # Deleted only once its worker runs, and while it is stopped: deleted before (a loaded machine, the
         # debounce and the daemon's stats not done yet) it "vanished before validation"; after the worker
         # finished, it was validated. Either way the line awaited below never came.
-        worker = _validation_worker(daemon)
+        worker = child_of(daemon.proc.pid, WORKER_MODULE, timeout=60)
         os.kill(worker, signal.SIGSTOP)
         try:
             shutil.rmtree(root / "step-1")

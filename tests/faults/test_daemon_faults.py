@@ -148,15 +148,9 @@ def test_a_job_stuck_in_a_long_step_stays_up_and_answers_status(daemon: DaemonPr
         wait_for(entered.exists, timeout=60)
         began = float(entered.read_text())
 
-        def heard_from_inside_the_step() -> bool:
-            # A frame that arrived more than half a heartbeat interval into the step: the step's own batch is
-            # sent within a flush interval (0.25 s), so this is a heartbeat sent while the main thread waits.
-            asked = time.monotonic()  # before the daemon's own clock reading: `heard` errs early, never late
-            runs = request_status(daemon.socket_path).runs
-            heard = [asked - rank.last_seen_seconds_ago for run in runs if run.run == "stuck" for rank in run.ranks]
-            return bool(heard) and heard[0] > began + HEARTBEAT_INTERVAL / 2
-
-        wait_for(heard_from_inside_the_step, timeout=30)
+        # A frame that arrived more than half a heartbeat interval into the step: the step's own batch is sent
+        # within a flush interval (0.25 s), so this is a heartbeat sent while the main thread waits.
+        wait_for(lambda: (daemon.last_frame_after("stuck") or 0.0) > began + HEARTBEAT_INTERVAL / 2, timeout=30)
         assert {(("rank", "0"), ("run", "stuck")): 1.0} == select(daemon.scrape(), "torchpulse_agent_up", run="stuck")
         status = subprocess.run([sys.executable, "-m", "torchpulse", "ctl", "status", "--run", "stuck",
                                  "--socket", str(daemon.socket_path), "--timeout", "5"],

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support import REPO
+from tests.support import REPO, child_of
 from torchpulse.checkpoints.model import Level
 from torchpulse.checkpoints.validate import validate
 
@@ -59,22 +59,6 @@ def _timeless(result: dict[str, object]) -> dict[str, object]:
     return {**result, "stats": {k: v for k, v in stats.items() if k != "duration_seconds"}}
 
 
-def _child_of(pid: int, timeout: float = 20.0) -> int:
-    """The pid of the first process whose parent is `pid` (the CLI's validator)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after "(comm) state" is the ppid
-                    return int(entry.name)
-        time.sleep(0.005)
-    raise AssertionError(f"process {pid} started no child")
-
-
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -113,7 +97,7 @@ def test_a_validator_killed_by_the_oom_killer_is_exit_2(saved_checkpoint: Path) 
     cli = subprocess.Popen(_command(saved_checkpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            cwd=REPO, env=_env())
     try:
-        os.kill(_child_of(cli.pid), signal.SIGKILL)
+        os.kill(child_of(cli.pid), signal.SIGKILL)
         out, err = cli.communicate(timeout=60)
     finally:
         cli.kill()
@@ -127,7 +111,7 @@ def test_ctrl_c_in_the_cli_leaves_no_validator_running(saved_checkpoint: Path) -
     cli = subprocess.Popen(_command(saved_checkpoint), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            cwd=REPO, env=_env())
     try:
-        validator = _child_of(cli.pid)
+        validator = child_of(cli.pid)
         cli.send_signal(signal.SIGINT)
         cli.wait(timeout=60)
     finally:

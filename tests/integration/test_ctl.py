@@ -29,19 +29,21 @@ from tests.support import (
     wait_for,
 )
 from torchpulse import cli
-from torchpulse.daemon.client import request_status, send_ctl
+from torchpulse.daemon.client import send_ctl
 from torchpulse.protocol import Batch, CtlRequest, Hello, Sample, encode
 
 
+def _job(daemon: DaemonProcess, run: str, job: list[str], rank: int = 0, ranks: int = 1) -> subprocess.Popen[str]:
+    """`torchpulse run --run-name RUN -- python JOB...` as `rank` of `ranks`, with the optimizer probe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, *job],
+        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=daemon.env(RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
+
+
 def _jobs(daemon: DaemonProcess, run: str, steps: int, sleep: float, ranks: int = 2) -> list[subprocess.Popen[str]]:
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, "-m",
-             "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", str(sleep)],
-            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=daemon.env(RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
-        for rank in range(ranks)
-    ]
+    demo_job = ["-m", "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", str(sleep)]
+    return [_job(daemon, run, demo_job, rank, ranks) for rank in range(ranks)]
 
 
 def _ctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -81,17 +83,6 @@ def _fresh_scrape(daemon: DaemonProcess) -> Samples:
 
     wait_for(rendered_since)
     return parse_exposition(latest[0])
-
-
-def _batch_since(daemon: DaemonProcess, run: str, rank: int, since: float) -> bool:
-    """Whether the daemon took a batch of the rank after `since` (time.monotonic(), the daemon's clock too)."""
-    asked = time.monotonic()  # before the daemon's "now": the batch came no earlier than asked - seconds_ago
-    for state in request_status(daemon.socket_path).runs:
-        for rank_status in state.ranks:
-            if state.run == run and rank_status.rank == rank:
-                # last_seen_seconds_ago is rounded to the millisecond: a margin of one keeps the answer sound.
-                return asked - rank_status.last_seen_seconds_ago > since + 0.001
-    return False
 
 
 def _agent_step(daemon: DaemonProcess, run: str) -> int:
@@ -149,7 +140,7 @@ def test_disable_takes_effect_at_the_next_step_and_enable_resumes(daemon: Daemon
         # the sender sent the older batch, then the answer. That step comes in the sender's next batch: once
         # the daemon has taken a batch of the rank's since the answer came, it holds the final count. (With
         # nothing left to send, that batch is the agent's heartbeat, a few seconds on.)
-        wait_for(lambda: _batch_since(daemon, "ed", 0, answered), timeout=30)
+        wait_for(lambda: (daemon.last_frame_after("ed") or 0.0) > answered, timeout=30)
         frozen = steps()
         # Frozen while the job steps on: the rank's own counter (which `ctl status` reads) moves past it.
         moved_from = _agent_step(daemon, "ed")
@@ -320,10 +311,7 @@ def test_a_job_that_ends_mid_trace_exits_cleanly_and_says_so(daemon: DaemonProce
     the agent's detach, and `ctl` reports a failure at once instead of a timeout."""
     script = tmp_path / "job.py"
     script.write_text(JOB_ENDING_MID_TRACE)
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torchpulse", "run", "--run-name", "short", "--", sys.executable, str(script)],
-        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=daemon.env(RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
+    job = _job(daemon, "short", [str(script)])
     try:
         # Stepping already: the trace's first step is then planned from the job's real step rate.
         wait_for(lambda: 5 <= sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="short").values()),
