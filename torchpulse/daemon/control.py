@@ -255,7 +255,7 @@ class ControlHub:
 
     async def _agent_step(self, state: RankState) -> tuple[int, float] | None:
         """The rank's step counter and recent steps/s from its agent, or None without a usable answer."""
-        result = await self._one(state, 0, "status", {}, STEP_QUERY_SECONDS, explain=False)
+        result = await self._answer(self._send(state, 0, "status", {}), STEP_QUERY_SECONDS, explain=False)
         step, rate = result.data.get("step"), result.data.get("step_rate", 0.0)
         if result.status != "ok" or not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
             return None
@@ -283,11 +283,6 @@ class ControlHub:
         # The agent keeps the command: it applies at that boundary all the same, the answer is only late.
         return (f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck; "
                 "the command stays queued and applies there if the rank gets there)")
-
-    async def _one(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue],
-                   timeout: float, explain: bool = True) -> RankResult:
-        """Send one command and wait `timeout` seconds for its answer."""
-        return await self._answer(self._send(state, rank, name, args), timeout, explain)
 
     def _send(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue]) -> _Sent | RankResult:
         """Write one command to the rank's connection, or the result that says why it could not be."""
