@@ -148,6 +148,13 @@ class DaemonProcess:
         return start_daemon(self.state_dir.parent, self.socket_path, self.port, self.extra_args)
 
 
+def sigint_as_at_a_terminal() -> None:
+    """`preexec_fn` for a child that a test sends SIGINT as Ctrl-C: a test suite started in the background
+    by a non-interactive shell (`make test &`, some CI runners) has SIGINT ignored, every child inherits
+    that, and Python then installs no KeyboardInterrupt handler: the signal would do nothing at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def child_of(pid: int, arg: bytes | None = None, timeout: float = 20.0) -> int:
     """The pid of a process whose parent is `pid` and, given `arg`, whose command line has that argument (a
     child forked but not yet exec'd still has its parent's)."""

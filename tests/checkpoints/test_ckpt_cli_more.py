@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import sigint_as_at_a_terminal
 from torchpulse.checkpoints.cli import main
 
 
@@ -19,7 +20,7 @@ def _check(*argv: str, **popen: object) -> subprocess.Popen[bytes]:
     """`python -m torchpulse check ARGV` in a child with SIGINT at its default, as at a terminal."""
     proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
         [sys.executable, "-m", "torchpulse", "check", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+        preexec_fn=sigint_as_at_a_terminal, **popen)
     return proc
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support import REPO, child_of
+from tests.support import REPO, child_of, sigint_as_at_a_terminal
 from torchpulse.checkpoints.model import Level
 from torchpulse.checkpoints.validate import validate
 
@@ -109,7 +109,7 @@ def test_a_validator_killed_by_the_oom_killer_is_exit_2(saved_checkpoint: Path) 
 def test_ctrl_c_in_the_cli_leaves_no_validator_running(saved_checkpoint: Path) -> None:
     """SIGINT to the CLI alone (the validator ignores it): the CLI kills its validator before it exits."""
     cli = subprocess.Popen(_command(saved_checkpoint), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           cwd=REPO, env=_env())
+                           cwd=REPO, env=_env(), preexec_fn=sigint_as_at_a_terminal)
     try:
         validator = child_of(cli.pid)
         cli.send_signal(signal.SIGINT)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
-from tests.support import REPO, DaemonProcess, wait_for
+from tests.support import REPO, DaemonProcess, sigint_as_at_a_terminal, wait_for
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.protocol import HEADER, Command, CtlRequest, Hello, decode_daemon_frame
@@ -77,7 +77,8 @@ def _enable_waiting_on_a_stopped_rank(daemon: DaemonProcess, run: str) -> tuple[
         procs[0].send_signal(signal.SIGSTOP)
         client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", run,
                                    "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=daemon.env())
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=daemon.env(),
+                                  preexec_fn=sigint_as_at_a_terminal)
         wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
     except BaseException:
         procs[0].send_signal(signal.SIGCONT)
