@@ -12,6 +12,10 @@ machine load hits every configuration alike:
 - default:      pass counting, node timing every 100th pass, non-finite check
 - every_pass:   node timing on every pass
 - torch_debug:  torch's own logging hooks (`torch.autograd.graph` at DEBUG)
+- read_grads:   no probe; the step reads every gradient once after backward
+                (`torch._foreach_norm`, results to the host): the floor of any
+                check that looks at every element on every pass, which on CPU
+                is memory bandwidth and differs from host to host
 
 Each step is timed twice: wall clock, and CPU time of the training thread
 (`time.thread_time`; with --threads 1 every op runs on that thread, and time
@@ -100,17 +104,25 @@ def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
     return agent, probe
 
 
-def make_step() -> Callable[[], None]:
+def make_step() -> Callable[[bool], float]:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True)
     model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, 128, 256)
+    params = list(model.parameters())
 
-    def step() -> None:
+    def step(read_grads: bool = False) -> float:
+        """One training step; with read_grads, returns the thread CPU time of that read."""
         model(x).square().mean().backward()
+        read = 0.0
+        if read_grads:
+            start = time.thread_time()
+            torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])).tolist()
+            read = time.thread_time() - start
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return read
 
     return step
 
@@ -151,9 +163,11 @@ def main() -> int:
         "default": (default_probe, default_agent, nullcontext),
         "every_pass": (every_probe, every_agent, nullcontext),
         "torch_debug": (None, None, _TorchDebugLogging),
+        "read_grads": (None, None, nullcontext),
     }
     self_times = {"default": SelfTime(default_probe), "every_pass": SelfTime(every_probe)}
     names = list(configs)
+    read_seconds = [0.0]
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
 
@@ -163,7 +177,7 @@ def main() -> int:
             probe.enabled = True
         with context():  # type: ignore[attr-defined]
             start, start_cpu = time.perf_counter(), time.thread_time()
-            step()
+            read_seconds[0] += step(name == "read_grads")
             if agent is not None:
                 drain_start = time.thread_time()
                 agent.drain()
@@ -181,6 +195,7 @@ def main() -> int:
             values.clear()
     for self_time in self_times.values():
         self_time.seconds = 0.0
+    read_seconds[0] = 0.0
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -203,6 +218,10 @@ def main() -> int:
     implied = 1 + self_times["default"].seconds / off_cpu + max(0.0, per_pass_timing) / every
     print(f"default: implied ratio {implied:.5f} (self time + 1/{every} of a timed pass's "
           f"extra {per_pass_timing:.2%})")
+    # The part of the default that no every-pass check avoids: one read of every gradient.
+    floor = read_seconds[0] / off_cpu
+    print(f"read_grads: reading every gradient once, timed directly, = {floor:.4%} of the off step's "
+          f"thread CPU; the default's self time beyond it: {self_times['default'].seconds / off_cpu - floor:.4%}")
     # Each probe must have seen exactly the steps of its own arm (warm-up included), and none of the others.
     arm_steps = args.warmup + args.rounds
     checks = []
