@@ -167,17 +167,18 @@ def main() -> int:
     }
     self_times = {"default": SelfTime(default_probe), "every_pass": SelfTime(every_probe)}
     names = list(configs)
-    read_seconds = [0.0]
+    read_seconds = 0.0  # thread CPU of the read_grads arm's reads
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
 
     def run(name: str) -> None:
+        nonlocal read_seconds
         probe, agent, context = configs[name]
         if probe is not None:
             probe.enabled = True
         with context():  # type: ignore[attr-defined]
             start, start_cpu = time.perf_counter(), time.thread_time()
-            read_seconds[0] += step(name == "read_grads")
+            read_seconds += step(name == "read_grads")
             if agent is not None:
                 drain_start = time.thread_time()
                 agent.drain()
@@ -195,7 +196,7 @@ def main() -> int:
             values.clear()
     for self_time in self_times.values():
         self_time.seconds = 0.0
-    read_seconds[0] = 0.0
+    read_seconds = 0.0
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -219,7 +220,7 @@ def main() -> int:
     print(f"default: implied ratio {implied:.5f} (self time + 1/{every} of a timed pass's "
           f"extra {per_pass_timing:.2%})")
     # The part of the default that no every-pass check avoids: one read of every gradient.
-    floor = read_seconds[0] / off_cpu
+    floor = read_seconds / off_cpu
     print(f"read_grads: reading every gradient once, timed directly, = {floor:.4%} of the off step's "
           f"thread CPU; the default's self time beyond it: {self_times['default'].seconds / off_cpu - floor:.4%}")
     # Each probe must have seen exactly the steps of its own arm (warm-up included), and none of the others.
