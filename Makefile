@@ -8,7 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint bench fuzz clean
 
-$(STAMP): pyproject.toml
+# The C parts are built at install: a change to one reinstalls.
+$(STAMP): pyproject.toml $(wildcard torchpulse/checkpoints/*.c)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"

@@ -10,6 +10,7 @@ import enum
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Final, NamedTuple
 
 # Files a DCP save writes data to: torch.save zips, or safetensors (HuggingFaceStorageWriter).
@@ -80,6 +81,9 @@ class StorageEntry(NamedTuple):
     transforms: tuple[str, ...] = ()
 
 
+_length_of = itemgetter(4)  # StorageEntry.length, in C over a million entries
+
+
 @dataclass(frozen=True, slots=True)
 class FileInfo:
     name: str
@@ -117,7 +121,7 @@ class Checkpoint:
 
     @property
     def referenced_bytes(self) -> int:
-        return sum(s.length for s in self.storage)
+        return sum(map(_length_of, self.storage))
 
 
 @dataclass(frozen=True, slots=True)

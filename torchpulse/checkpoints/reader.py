@@ -18,6 +18,7 @@ from operator import itemgetter, methodcaller
 from pathlib import Path
 from typing import Any
 
+from torchpulse.checkpoints import native
 from torchpulse.checkpoints.model import (
     DATA_SUFFIXES,
     Checkpoint,
@@ -27,6 +28,7 @@ from torchpulse.checkpoints.model import (
     StorageEntry,
     TensorEntry,
 )
+from torchpulse.checkpoints.native import Extracted, Item
 from torchpulse.checkpoints.unpickler import (
     DEFAULT_METADATA_SIZE_CAP,
     BytesStorageMetadataStandIn,
@@ -132,14 +134,26 @@ def open_regular(path: Path) -> io.BufferedReader:
     return open(opened[0], "rb", closefd=True)
 
 
-def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
-    """Read and safely unpickle one metadata file; raise ValueError if over `size_cap`."""
+def _read_capped(path: Path, size_cap: int) -> bytes:
     with open_regular(path) as f:
         data = f.read(size_cap + 1)
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
+    return data
+
+
+def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
+    """Read and safely unpickle one metadata file; raise ValueError if over `size_cap`."""
+    data = _read_capped(path, size_cap)
     with gc_paused():
         return load_metadata(data)
+
+
+def parse_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> Extracted | MetadataStandIn:
+    """The C reader's model of one metadata file, or the Python unpickler's stand-ins where it declines."""
+    data = _read_capped(path, size_cap)
+    with gc_paused():
+        return native.parse(data) or load_metadata(data)
 
 
 def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> ReadOutcome:
@@ -153,11 +167,11 @@ def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADA
         return _read_safetensors(listing)
     else:
         return ReadOutcome(listing, None)
-    parsed: list[MetadataStandIn] = []
+    parsed: list[Extracted | MetadataStandIn] = []
     errors: dict[str, str] = {}
     for name in names:
         try:
-            parsed.append(read_metadata_file(Path(path) / name, size_cap))
+            parsed.append(parse_metadata_file(Path(path) / name, size_cap))
         except (MemoryError, OSError):
             raise  # the validator failed, not the checkpoint: "cannot tell"
         except Exception as exc:  # any parse failure is a finding, never a crash
@@ -214,35 +228,58 @@ def _storage_entries(storage_data: dict[Any, Any]) -> list[StorageEntry]:
     return list(map(_new, repeat(StorageEntry), fields))
 
 
-def _from_standins(listing: Listing, metadata_files: list[FileInfo], parsed: list[MetadataStandIn]) -> Checkpoint:
+def _version(parsed: Extracted | MetadataStandIn) -> object:
+    return parsed.version if isinstance(parsed, Extracted) else parsed.get("version")
+
+
+def extract_standins(md: MetadataStandIn) -> Extracted:
+    """The reader's model of one file from the Python unpickler's stand-ins (the C reader's reference)."""
+    items: list[Item] = []
+    for key, item in (md.get("state_dict_metadata") or {}).items():
+        if isinstance(item, TensorStorageMetadataStandIn):
+            # tuple.__new__ skips NamedTuple's Python-level __new__: 1M chunks, 0.5 s less.
+            chunks = _chunks(item["chunks"])
+            items.append((key, str(item["properties"].get("dtype")), _tuple(item["size"]), chunks))
+        elif isinstance(item, BytesStorageMetadataStandIn):
+            items.append((key, None))
+        else:
+            raise ValueError(f"unexpected metadata entry {type(item).__name__} for {key}")
+    storage_data = md.get("storage_data") or {}
+    if not isinstance(storage_data, dict):
+        raise ValueError("storage_data is not a mapping")
+    planner_data = md.get("planner_data")
+    return Extracted(
+        md.get("version"),
+        items,
+        _storage_entries(storage_data),
+        planner_data if isinstance(planner_data, dict) else None,
+    )
+
+
+def _from_standins(
+    listing: Listing, metadata_files: list[FileInfo], parsed: list[Extracted | MetadataStandIn]
+) -> Checkpoint:
     tensors: dict[str, TensorEntry] = {}
     bytes_keys: set[str] = set()
     storage: list[StorageEntry] = []
     key_paths: dict[str, tuple[str, ...]] = {}
-    versions = {md.get("version") for md in parsed}
-    for md in parsed:
-        for key, item in (md.get("state_dict_metadata") or {}).items():
-            if isinstance(item, TensorStorageMetadataStandIn):
-                # tuple.__new__ skips NamedTuple's Python-level __new__: 1M chunks, 0.5 s less.
-                chunks = _chunks(item["chunks"])
-                previous = tensors.get(key)
-                if previous is not None:
-                    # Per-rank metadata (use_collectives=False) lists each rank's chunks;
-                    # replicated items (steps, unsharded params) appear once per rank.
-                    seen = set(previous.chunks)
-                    chunks = previous.chunks + tuple(c for c in chunks if c not in seen)
-                tensors[key] = TensorEntry(key, str(item["properties"].get("dtype")), _tuple(item["size"]), chunks)
-            elif isinstance(item, BytesStorageMetadataStandIn):
-                bytes_keys.add(key)
-            else:
-                raise ValueError(f"unexpected metadata entry {type(item).__name__} for {key}")
-        storage_data = md.get("storage_data") or {}
-        if not isinstance(storage_data, dict):
-            raise ValueError("storage_data is not a mapping")
-        storage.extend(_storage_entries(storage_data))
-        planner_data = md.get("planner_data")
-        if isinstance(planner_data, dict):
-            for key, key_path in planner_data.items():
+    versions = {_version(p) for p in parsed}
+    for extracted in (p if isinstance(p, Extracted) else extract_standins(p) for p in parsed):
+        for entry in extracted.items:
+            if len(entry) == 2:
+                bytes_keys.add(entry[0])
+                continue
+            key, dtype, size, chunks = entry
+            previous = tensors.get(key)
+            if previous is not None:
+                # Per-rank metadata (use_collectives=False) lists each rank's chunks;
+                # replicated items (steps, unsharded params) appear once per rank.
+                seen = set(previous.chunks)
+                chunks = previous.chunks + tuple(c for c in chunks if c not in seen)
+            tensors[key] = TensorEntry(key, dtype, size, chunks)
+        storage.extend(extracted.storage)
+        if extracted.planner is not None:
+            for key, key_path in extracted.planner.items():
                 if isinstance(key_path, tuple | list):
                     key_paths[str(key)] = tuple(str(p) for p in key_path)
     temp = {n: f for n, f in listing.files.items() if n.endswith(".tmp")}

@@ -8,7 +8,7 @@ from itertools import groupby, repeat
 from operator import add, itemgetter, le, ne, or_
 
 from torchpulse.checkpoints.model import DATA_SUFFIXES, Checkpoint, FileInfo, Finding
-from torchpulse.checkpoints.rules import error, warning
+from torchpulse.checkpoints.rules import error, kernels, warning
 
 KNOWN_VERSIONS = frozenset({None, "1.0.0", "safetensors"})
 
@@ -51,6 +51,15 @@ def commit_state(files: Mapping[str, FileInfo]) -> list[Finding]:
     return findings
 
 
+# Column getters of StorageEntry, run in C by `map` over a million entries; each rule
+# below first checks its whole column at C speed and walks entries in Python only
+# when that check says there is something to report.
+_key, _chunk_offsets = itemgetter(0), itemgetter(1)
+_path, _offset, _length = itemgetter(2), itemgetter(3), itemgetter(4)
+_path_offset = itemgetter(2, 3)
+_UNBOUNDED = 1 << 127  # "no size": an entry in a missing file is TP-CKPT-005's business
+
+
 def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-004: a file the metadata references changed after the metadata was written."""
     if not ckpt.metadata_files:
@@ -58,7 +67,7 @@ def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
         # no metadata to be older than its files, and time 0 would flag every one of them.
         return []
     committed_at = ckpt.metadata_mtime_ns
-    referenced = {s.relative_path for s in ckpt.storage}
+    referenced = set(map(_path, ckpt.storage))
     # Timestamps are all this rule has, and a copy that does not keep them (cp without -p,
     # rsync without -t, most object-store downloads) can order a pristine checkpoint's files
     # either way: the message names that cause too, so nobody throws away a good copy unasked.
@@ -77,6 +86,8 @@ def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
 
 def missing_files(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-005: every file the storage entries name exists."""
+    if set(map(_path, ckpt.storage)) <= ckpt.files.keys():
+        return []
     counts: dict[str, int] = defaultdict(int)
     for s in ckpt.storage:
         if s.relative_path not in ckpt.files:
@@ -84,20 +95,13 @@ def missing_files(ckpt: Checkpoint) -> list[Finding]:
     return [error("TP-CKPT-005", name, f"referenced by {n} items but missing") for name, n in sorted(counts.items())]
 
 
-# Column getters of StorageEntry, run in C by `map` over a million entries; each rule
-# below first checks its whole column at C speed and walks entries in Python only
-# when that check says there is something to report.
-_key, _chunk_offsets = itemgetter(0), itemgetter(1)
-_path, _offset, _length = itemgetter(2), itemgetter(3), itemgetter(4)
-_path_offset = itemgetter(2, 3)
-_UNBOUNDED = 1 << 127  # "no size": an entry in a missing file is TP-CKPT-005's business
-
-
 def items_past_eof(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-006: every item lies inside its file."""
+    sizes = {name: f.size for name, f in ckpt.files.items()}
+    if kernels.items_within(ckpt.storage, sizes):
+        return []
     offsets = list(map(_offset, ckpt.storage))
     lengths = list(map(_length, ckpt.storage))
-    sizes = {name: f.size for name, f in ckpt.files.items()}
     limits = map(sizes.get, map(_path, ckpt.storage), repeat(_UNBOUNDED))
     if not offsets or (min(offsets) >= 0 and min(lengths) >= 0 and all(map(le, map(add, offsets, lengths), limits))):
         return []
@@ -125,6 +129,8 @@ def overlapping_items(ckpt: Checkpoint) -> list[Finding]:
     # before the next one of its file starts (then no earlier item reaches further).
     # Empty items stay in: one inside another fails this check, and the exact walk,
     # which skips them, then decides.
+    if kernels.items_disjoint(ckpt.storage):
+        return []
     spans = sorted(ckpt.storage, key=_path_offset)
     paths = list(map(_path, spans))
     starts = list(map(_offset, spans))
@@ -160,7 +166,7 @@ def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
     every rank, so a rank left with nothing to write (all of a replicated state
     deduplicated to rank 0, `full_state_dict` saves) leaves a 0-byte file no item names.
     """
-    referenced = {s.relative_path for s in ckpt.storage}
+    referenced = set(map(_path, ckpt.storage))
     return [
         warning("TP-CKPT-008", name, "data file not referenced by the metadata")
         for name, info in sorted(ckpt.files.items())
@@ -170,6 +176,9 @@ def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
 
 def chunks_without_storage(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-009: each chunk and bytes item has exactly one storage entry, and vice versa."""
+    tensors = [(t.key, t.chunks) for t in ckpt.tensors.values()]
+    if kernels.storage_matches(ckpt.storage, tensors, list(ckpt.bytes_keys)):
+        return []
     # Per key, the set of stored chunk offsets against the set of the metadata's,
     # built in C (`groupby` over entries, which DCP writes grouped by key); the
     # exact per-item pass below runs only when it has something to report.

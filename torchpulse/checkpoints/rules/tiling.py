@@ -14,7 +14,7 @@ from itertools import islice
 from operator import add, itemgetter, le
 
 from torchpulse.checkpoints.model import Chunk, Finding, TensorEntry
-from torchpulse.checkpoints.rules import error
+from torchpulse.checkpoints.rules import error, kernels
 
 _MAX_REPORTED = 5
 
@@ -88,6 +88,8 @@ def exact_tiling(tensor: TensorEntry) -> list[Finding]:
     if not tensor.size:  # a scalar: exactly one chunk
         if len(tensor.chunks) != 1:
             out.append(error("TP-CKPT-010", key, f"scalar stored as {len(tensor.chunks)} chunks"))
+        return out
+    if kernels.tiling_holds(tensor.chunks, tensor.size):
         return out
     bad = [] if _all_in_bounds(tensor.chunks, tensor.size) else [
         c for c in tensor.chunks if _out_of_bounds(c, tensor.size)
