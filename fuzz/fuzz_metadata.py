@@ -1,10 +1,11 @@
-"""atheris harness: the `.metadata` allow-list unpickler and the reader and rules behind it.
+"""atheris harness: the `.metadata` allow-list unpickler, the C reader, and the reader and rules behind them.
 
 Run: `.venv/bin/python fuzz/fuzz_metadata.py -max_total_time=60 [libFuzzer flags] [corpus dirs]`.
 
 A crash is: the unpickler doing anything an attacker wants (an audit event for
 a process, exec, compile, import or open while it runs), raising MemoryError
-or OSError (the reader would report "cannot tell" instead of "invalid"), the
+or OSError (the reader would report "cannot tell" instead of "invalid"), the C
+reader (`native.parse`) disagreeing with the Python path it stands in for, the
 reader raising instead of returning a finding, or a rule raising on metadata
 the reader accepted. Known, reported bugs are counted
 and printed once instead (see fuzz/common.py; FUZZ_STRICT=1 crashes on them).
@@ -12,8 +13,10 @@ and printed once instead (see fuzz/common.py; FUZZ_STRICT=1 crashes on them).
 
 from __future__ import annotations
 
+import encodings.raw_unicode_escape  # noqa: F401  (see below)
 import io
 import pickle
+import pickletools  # noqa: F401
 import resource
 import sys
 import tempfile
@@ -25,12 +28,16 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 with atheris.instrument_imports(include=["torchpulse.checkpoints"]):
-    from torchpulse.checkpoints.reader import read_checkpoint
+    from torchpulse.checkpoints import native
+    from torchpulse.checkpoints.reader import extract_standins, read_checkpoint
     from torchpulse.checkpoints.unpickler import load_metadata
     from torchpulse.checkpoints.validate import metadata_findings
 
 from fuzz.common import known, run
 
+# The reader imports pickletools on a MemoryError and CPython's unpickler imports the
+# raw_unicode_escape codec at its first UNICODE opcode: both are imported above, so that an
+# import while unpickling is only ever what the harness looks for.
 _FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "exec",
                      "compile", "import", "open", "ctypes.dlopen", "socket.connect", "shutil.rmtree", "os.remove")
 _unpickling = False
@@ -55,7 +62,8 @@ def test_one_input(data: bytes) -> None:
     _violations.clear()
     _unpickling = True
     try:
-        load_metadata(data)
+        fast = native.parse(data)
+        standins = load_metadata(data)
     except MemoryError as exc:
         # A length prefix (BINBYTES8) or memo index (LONG_BINPUT) larger than memory.
         known("B2 unpickler allocates from a prefix or memo index -> MemoryError -> status error, not invalid", exc)
@@ -63,11 +71,19 @@ def test_one_input(data: bytes) -> None:
     except OSError:
         raise
     except Exception:
+        assert fast is None, "the C reader accepted metadata the Python unpickler refuses"
         return  # a refusal: the reader reports TP-CKPT-012
     finally:
         _unpickling = False
         if _violations:
             raise AssertionError(f"the unpickler triggered {_violations}")
+    # The C reader answers exactly what the Python path builds, or declines.
+    try:
+        reference = extract_standins(standins)
+    except Exception:
+        assert fast is None, "the C reader accepted metadata the Python reader fails on"
+    else:
+        assert fast is None or repr(fast) == repr(reference), "the C reader and the Python path disagree"
     # The reader (as validate() calls it) must turn accepted metadata into a checkpoint or a finding.
     (CKPT / ".metadata").write_bytes(data)
     try:
