@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchpulse.checkpoints import native
-from torchpulse.checkpoints.model import Level
+from torchpulse.checkpoints.model import Checkpoint, Chunk, FileInfo, Format, Level, StorageEntry, TensorEntry
 from torchpulse.checkpoints.native import Extracted
 from torchpulse.checkpoints.reader import extract_standins
-from torchpulse.checkpoints.rules import kernels
+from torchpulse.checkpoints.rules import commit, kernels
 from torchpulse.checkpoints.unpickler import load_metadata
 from torchpulse.checkpoints.validate import validate
 
@@ -264,9 +264,6 @@ def test_the_synthetic_million_chunk_layout_is_accepted(tmp_path: Path) -> None:
 
 # --- the rule kernels against the rules without them, on generated layouts ------------------
 
-from torchpulse.checkpoints.model import Checkpoint, Chunk, FileInfo, Format, StorageEntry, TensorEntry  # noqa: E402
-from torchpulse.checkpoints.rules import commit  # noqa: E402
-
 _small = st.integers(-2, 6)
 _offsets = st.one_of(st.none(), st.tuples(_small), st.tuples(_small, _small))
 
@@ -290,7 +287,8 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
         storage = tuple(StorageEntry(t.key, c.offsets, "f0", 8 * i, 8) for t in tensors.values()
                         for i, c in enumerate(t.chunks)) + tuple(StorageEntry(k, None, "f1", 0, 1) for k in bytes_keys)
     files = {"f0": FileInfo("f0", draw(st.integers(0, 64)), 1), "f1": FileInfo("f1", draw(st.integers(0, 64)), 1)}
-    metadata = tuple(FileInfo(n, 1, 2) for n in draw(st.sampled_from([[".metadata"], ["__0.metadata", "__1.metadata"]])))
+    names = draw(st.sampled_from([[".metadata"], ["__0.metadata", "__1.metadata"]]))
+    metadata = tuple(FileInfo(n, 1, 2) for n in names)
     return Checkpoint(path="/x", format=Format.TORCH_SAVE, metadata_files=metadata, version="1.0.0", tensors=tensors,
                       bytes_keys=bytes_keys, storage=storage, key_paths={}, files=files)
 

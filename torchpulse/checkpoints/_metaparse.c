@@ -199,6 +199,13 @@ static uint64_t le(const unsigned char *s, int n) {
     for (int i = n - 1; i >= 0; i--) v = (v << 8) | s[i];
     return v;
 }
+/* An opcode's little-endian argument of n bytes, read as CPython reads it: one read. */
+static inline int arg(VM *vm, int n, uint64_t *out) {
+    if (need(vm, (size_t)n)) return -1;
+    *out = le(vm->p, n);
+    vm->p += n;
+    return 0;
+}
 /* Python decodes every string at load time ("surrogatepass"): one that does not decode fails it. */
 static int check_utf8(const unsigned char *s, size_t n) {
     size_t i = 0;
@@ -335,23 +342,20 @@ static int presize(VM *vm, size_t len) {
 /* Run to STOP; the result is the top of the stack. 0 on success, -1 to decline. */
 static int run(VM *vm, H *result) {
     size_t start;
-    H a, b, c, out;
+    uint64_t u;
+    H out;
     while (vm->p < vm->end) {
         unsigned char op = *vm->p++;
         switch (op) {
         case 0x80: /* PROTO */
-            if (need(vm, 1) || *vm->p > 5) return -1;
-            vm->p++;
+            if (arg(vm, 1, &u) || u > 5) return -1;
             break;
-        case 0x95: { /* FRAME */
-            if (need(vm, 8)) return -1;
-            uint64_t n = le(vm->p, 8);
-            vm->p += 8;
+        case 0x95: /* FRAME */
+            if (arg(vm, 8, &u)) return -1;
             /* Inside a frame a nested one must end within it; else it starts where this read ends. */
-            if (n > (uint64_t)(limit(vm) - vm->p)) return -1;
-            if (limit(vm) == vm->end) vm->frame_end = vm->p + n;
+            if (u > (uint64_t)(limit(vm) - vm->p)) return -1;
+            if (limit(vm) == vm->end) vm->frame_end = vm->p + u;
             break;
-        }
         case '.': /* STOP */
             return pop(vm, result);
         case '(': /* MARK */
@@ -360,7 +364,7 @@ static int run(VM *vm, H *result) {
             break;
         case '0': /* POP: a MARK just below pops the mark */
             if (vm->nmarks && vm->marks[vm->nmarks - 1] == vm->sp) vm->nmarks--;
-            else if (pop(vm, &a)) return -1;
+            else if (pop(vm, &out)) return -1;
             break;
         case '1': /* POP_MARK */
             if (pop_mark(vm, &start)) return -1;
@@ -378,30 +382,21 @@ static int run(VM *vm, H *result) {
         case 0x89:
             if (push(vm, CONST_H(C_FALSE))) return -1;
             break;
-        case 'J': /* BININT */
-            if (need(vm, 4) || push(vm, int_h((int32_t)(uint32_t)le(vm->p, 4)))) return -1;
-            vm->p += 4;
+        case 'J': /* BININT: signed */
+            if (arg(vm, 4, &u) || push(vm, int_h((int32_t)(uint32_t)u))) return -1;
             break;
         case 'K': /* BININT1 */
-            if (need(vm, 1) || push(vm, int_h(vm->p[0]))) return -1;
-            vm->p += 1;
+            if (arg(vm, 1, &u) || push(vm, int_h((int64_t)u))) return -1;
             break;
         case 'M': /* BININT2 */
-            if (need(vm, 2) || push(vm, int_h((int64_t)le(vm->p, 2)))) return -1;
-            vm->p += 2;
+            if (arg(vm, 2, &u) || push(vm, int_h((int64_t)u))) return -1;
             break;
-        case 0x8a: { /* LONG1: little-endian two's complement of n <= 8 bytes */
-            if (need(vm, 1)) return -1;
-            size_t n = vm->p[0];
-            if (n > 8 || need(vm, 1 + n)) return -1;
-            int64_t v = 0;
-            if (n) {
-                uint64_t u = le(vm->p + 1, (int)n);
-                if (n < 8 && (vm->p[n] & 0x80)) u |= ~(uint64_t)0 << (8 * n);
-                v = (int64_t)u;
-            }
+        case 0x8a: { /* LONG1: a length byte, then that many bytes of little-endian two's complement */
+            uint64_t n;
+            if (arg(vm, 1, &n) || n > 8 || (n && arg(vm, (int)n, &u))) return -1;
+            if (n && n < 8 && (u >> (8 * n - 1)) & 1) u |= ~(uint64_t)0 << (8 * n);
+            int64_t v = n ? (int64_t)u : 0;
             if (v >= IMM_LIMIT || v < -IMM_LIMIT || push(vm, int_h(v))) return -1;
-            vm->p += 1 + n;
             break;
         }
         case 'G': { /* BINFLOAT: big-endian double */
@@ -414,22 +409,14 @@ static int run(VM *vm, H *result) {
             break;
         }
         case 0x8c: /* SHORT_BINUNICODE */
-            if (need(vm, 1)) return -1;
-            vm->p += 1;
-            if (push_str(vm, vm->p[-1])) return -1;
+            if (arg(vm, 1, &u) || push_str(vm, (size_t)u)) return -1;
             break;
         case 'X': /* BINUNICODE */
-            if (need(vm, 4)) return -1;
-            vm->p += 4;
-            if (push_str(vm, (size_t)le(vm->p - 4, 4))) return -1;
+            if (arg(vm, 4, &u) || push_str(vm, (size_t)u)) return -1;
             break;
-        case 0x8d: { /* BINUNICODE8 */
-            if (need(vm, 8)) return -1;
-            uint64_t n = le(vm->p, 8);
-            vm->p += 8;
-            if (n >= ((uint64_t)1 << 30) || push_str(vm, (size_t)n)) return -1;
+        case 0x8d: /* BINUNICODE8 */
+            if (arg(vm, 8, &u) || u >= ((uint64_t)1 << 30) || push_str(vm, (size_t)u)) return -1;
             break;
-        }
         case ')': /* EMPTY_TUPLE: one shared, as in Python */
             if (push(vm, REF_H(0))) return -1;
             break;
@@ -483,28 +470,18 @@ static int run(VM *vm, H *result) {
             if (memo_put(vm, vm->nmemo)) return -1;
             break;
         case 'q': /* BINPUT */
-            if (need(vm, 1)) return -1;
-            vm->p += 1;
-            if (memo_put(vm, vm->p[-1])) return -1;
+            if (arg(vm, 1, &u) || memo_put(vm, u)) return -1;
             break;
         case 'r': /* LONG_BINPUT */
-            if (need(vm, 4)) return -1;
-            vm->p += 4;
-            if (memo_put(vm, le(vm->p - 4, 4))) return -1;
+            if (arg(vm, 4, &u) || memo_put(vm, u)) return -1;
             break;
         case 'h': /* BINGET */
-            if (need(vm, 1)) return -1;
-            vm->p += 1;
-            if (memo_get(vm, vm->p[-1])) return -1;
+            if (arg(vm, 1, &u) || memo_get(vm, u)) return -1;
             break;
         case 'j': /* LONG_BINGET */
-            if (need(vm, 4)) return -1;
-            vm->p += 4;
-            if (memo_get(vm, le(vm->p - 4, 4))) return -1;
+            if (arg(vm, 4, &u) || memo_get(vm, u)) return -1;
             break;
         default: /* everything else: the Python path decides */
-            (void)b;
-            (void)c;
             return -1;
         }
     }
@@ -518,19 +495,46 @@ static int charge(VM *vm, size_t n) {
     return vm->work > vm->work_limit ? -1 : 0;
 }
 
+/* The handles of a tuple, list or dict in order (a dict's: key, value, key, value, ...). */
+typedef struct { uint64_t seg; size_t at, end; } Iter;
+static Iter iter(const VM *vm, const Obj *o) {
+    Iter it = {0, 0, 0};
+    if (o->kind == K_TUPLE) {
+        it.at = o->a;
+        it.end = o->a + o->n;
+    } else if (o->a) {
+        it.seg = o->a;
+        it.at = vm->segs[o->a - 1].start;
+        it.end = it.at + vm->segs[o->a - 1].count;
+    }
+    return it;
+}
+static int iter_next(const VM *vm, Iter *it, H *out) {
+    while (it->at == it->end) {
+        if (!it->seg || !(it->seg = vm->segs[it->seg - 1].next)) return 0;
+        it->at = vm->segs[it->seg - 1].start;
+        it->end = it->at + vm->segs[it->seg - 1].count;
+    }
+    *out = vm->items[it->at++];
+    return 1;
+}
+/* A tuple or list: the sequences the Python path iterates. */
+static Obj *sequence_of(VM *vm, H h) {
+    Obj *o = obj_of(vm, h, -1);
+    return (o && (o->kind == K_TUPLE || o->kind == K_LIST)) ? o : NULL;
+}
+
 /* The value of `key` in a dict's first `limit` handles (the last assignment wins); 0 if absent. */
 static int dict_get(VM *vm, Obj *d, uint64_t limit, const char *key, H *out) {
-    size_t klen = strlen(key), seen = 0;
+    size_t klen = strlen(key);
     int found = 0;
-    for (uint64_t s = d->a; s && seen < limit; s = vm->segs[s - 1].next) {
-        Seg *seg = &vm->segs[s - 1];
-        for (uint32_t i = 0; i + 1 < seg->count && seen < limit; i += 2, seen += 2) {
-            if (charge(vm, 1)) return 0;
-            H k = vm->items[seg->start + i];
-            if (TAG(k) == T_STR && str_len(k) == klen && !memcmp(vm->base + str_off(k), key, klen)) {
-                *out = vm->items[seg->start + i + 1];
-                found = 1;
-            }
+    H k, v;
+    Iter it = iter(vm, d);
+    for (uint64_t seen = 0; seen < limit && iter_next(vm, &it, &k) && iter_next(vm, &it, &v); seen += 2) {
+        if (charge(vm, 1)) return 0;
+        if (TAG(k) == T_STR && str_len(k) == klen && !memcmp(vm->base + str_off(k), key, klen)) {
+            *out = v;
+            found = 1;
         }
     }
     return found;
@@ -620,20 +624,16 @@ static PyObject *to_py(VM *vm, H h, int depth) {
     }
     if (o->kind != K_LIST && o->kind != K_DICT) return NULL;
     PyObject *c = o->kind == K_LIST ? PyList_New(0) : PyDict_New();
-    for (uint64_t s = o->a; c && s; s = vm->segs[s - 1].next) {
-        Seg *seg = &vm->segs[s - 1];
-        for (uint32_t i = 0; c && i < seg->count; i += (o->kind == K_LIST ? 1 : 2)) {
-            PyObject *x = to_py(vm, vm->items[seg->start + i], depth + 1);
-            int rc = -1;
-            if (x && o->kind == K_LIST) rc = PyList_Append(c, x);
-            if (x && o->kind == K_DICT) {
-                PyObject *v = to_py(vm, vm->items[seg->start + i + 1], depth + 1);
-                if (v) rc = PyDict_SetItem(c, x, v);
-                Py_XDECREF(v);
-            }
-            Py_XDECREF(x);
-            if (rc) Py_CLEAR(c);
-        }
+    Iter it = iter(vm, o);
+    H k, v;
+    while (c && iter_next(vm, &it, &k)) {
+        PyObject *x = to_py(vm, k, depth + 1), *y = NULL;
+        int rc = -1;
+        if (x && o->kind == K_LIST) rc = PyList_Append(c, x);
+        else if (x && iter_next(vm, &it, &v) && (y = to_py(vm, v, depth + 1))) rc = PyDict_SetItem(c, x, y);
+        Py_XDECREF(x);
+        Py_XDECREF(y);
+        if (rc) Py_CLEAR(c);
     }
     return c;
 }
@@ -659,66 +659,59 @@ static PyObject *props_dtype(VM *vm, H props) {
 
 /* Chunk tuples of one tensor's `chunks` (a list or tuple of built ChunkStorageMetadata). */
 static PyObject *chunks_of(VM *vm, H h) {
-    Obj *o = obj_of(vm, h, -1);
-    if (!o || (o->kind != K_TUPLE && o->kind != K_LIST) || charge(vm, o->n)) return NULL;
+    Obj *o = sequence_of(vm, h);
+    if (!o || charge(vm, o->n)) return NULL;
     PyObject *out = PyTuple_New(o->n);
-    if (!out) return NULL;
-    size_t at = 0;
-    for (uint64_t s = o->kind == K_TUPLE ? 1 : o->a; s; s = o->kind == K_TUPLE ? 0 : vm->segs[s - 1].next) {
-        size_t first = o->kind == K_TUPLE ? o->a : vm->segs[s - 1].start;
-        size_t count = o->kind == K_TUPLE ? o->n : vm->segs[s - 1].count;
-        for (size_t i = 0; i < count; i++) {
-            uint64_t limit;
-            H offsets, sizes;
-            Obj *st = state_dict(vm, vm->items[first + i], R_CHUNK, &limit);
-            PyObject *f[2] = {NULL, NULL};
-            if (st && dict_get(vm, st, limit, "offsets", &offsets) && dict_get(vm, st, limit, "sizes", &sizes)) {
-                f[0] = int_tuple(vm, offsets);
-                f[1] = f[0] ? int_tuple(vm, sizes) : NULL;
-            }
-            PyObject *chunk = NULL;
-            if (f[1]) chunk = make_record(vm->chunk_type, f, 2);
-            else Py_XDECREF(f[0]);
-            if (!chunk) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyTuple_SET_ITEM(out, at++, chunk);
+    Iter it = iter(vm, o);
+    H c, offsets, sizes;
+    for (size_t at = 0; out && iter_next(vm, &it, &c); at++) {
+        uint64_t limit;
+        Obj *st = state_dict(vm, c, R_CHUNK, &limit);
+        PyObject *f[2] = {NULL, NULL}, *chunk = NULL;
+        if (st && dict_get(vm, st, limit, "offsets", &offsets) && dict_get(vm, st, limit, "sizes", &sizes)) {
+            f[0] = int_tuple(vm, offsets);
+            f[1] = f[0] ? int_tuple(vm, sizes) : NULL;
         }
+        if (f[1]) chunk = make_record(vm->chunk_type, f, 2);
+        else Py_XDECREF(f[0]);
+        if (!chunk) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, at, chunk);
     }
     return out;
 }
 
-/* state_dict_metadata -> [(key, None) for bytes items, (key, dtype, size, chunks) for tensors]. */
-static PyObject *items_of(VM *vm, Obj *sdm) {
+/* One state_dict_metadata entry: (key, None) for a bytes item, (key, dtype, size, chunks) for a tensor. */
+static PyObject *item_entry(VM *vm, H k, H v) {
+    Obj *item = charge(vm, 1) ? NULL : obj_of(vm, v, K_OBJ);
+    PyObject *entry = NULL, *key = TAG(k) == T_STR ? py_str(vm, k) : NULL;
+    uint64_t limit;
+    H props, size, chunks;
+    Obj *st = state_dict(vm, v, R_TENSOR_MD, &limit);
+    if (key && item && item->role == R_BYTES_MD) {
+        entry = PyTuple_Pack(2, key, Py_None);
+    } else if (key && st && dict_get(vm, st, limit, "properties", &props) && dict_get(vm, st, limit, "size", &size)
+               && dict_get(vm, st, limit, "chunks", &chunks)) {
+        PyObject *dtype = props_dtype(vm, props);
+        PyObject *shape = dtype ? int_tuple(vm, size) : NULL;
+        PyObject *pieces = shape ? chunks_of(vm, chunks) : NULL;
+        if (pieces) entry = PyTuple_Pack(4, key, dtype, shape, pieces);
+        Py_XDECREF(dtype);
+        Py_XDECREF(shape);
+        Py_XDECREF(pieces);
+    }
+    Py_XDECREF(key);
+    return entry;
+}
+
+/* The entries of a dict (state_dict_metadata, storage_data), each made by `entry`; NULL to decline. */
+static PyObject *entries_of(VM *vm, Obj *d, PyObject *(*entry)(VM *, H, H)) {
     PyObject *out = PyList_New(0);
-    for (uint64_t s = sdm ? sdm->a : 0; out && s; s = vm->segs[s - 1].next) {
-        Seg *seg = &vm->segs[s - 1];
-        for (uint32_t i = 0; out && i < seg->count; i += 2) {
-            H k = vm->items[seg->start + i], v = vm->items[seg->start + i + 1];
-            Obj *item = charge(vm, 1) ? NULL : obj_of(vm, v, K_OBJ);
-            PyObject *entry = NULL, *key = TAG(k) == T_STR ? py_str(vm, k) : NULL;
-            if (key && item && item->role == R_BYTES_MD) {
-                entry = PyTuple_Pack(2, key, Py_None);
-            } else if (key && item && item->role == R_TENSOR_MD) {
-                uint64_t limit;
-                H props, size, chunks;
-                Obj *st = state_dict(vm, v, R_TENSOR_MD, &limit);
-                if (st && dict_get(vm, st, limit, "properties", &props) && dict_get(vm, st, limit, "size", &size)
-                    && dict_get(vm, st, limit, "chunks", &chunks)) {
-                    PyObject *dtype = props_dtype(vm, props);
-                    PyObject *shape = dtype ? int_tuple(vm, size) : NULL;
-                    PyObject *pieces = shape ? chunks_of(vm, chunks) : NULL;
-                    if (pieces) entry = PyTuple_Pack(4, key, dtype, shape, pieces);
-                    Py_XDECREF(dtype);
-                    Py_XDECREF(shape);
-                    Py_XDECREF(pieces);
-                }
-            }
-            Py_XDECREF(key);
-            if (!entry || PyList_Append(out, entry)) Py_CLEAR(out);
-            Py_XDECREF(entry);
-        }
+    Iter it = d ? iter(vm, d) : (Iter){0, 0, 0};
+    H k, v;
+    while (out && iter_next(vm, &it, &k) && iter_next(vm, &it, &v)) {
+        PyObject *e = entry(vm, k, v);
+        if (!e || PyList_Append(out, e)) Py_CLEAR(out);
+        Py_XDECREF(e);
     }
     return out;
 }
@@ -728,61 +721,45 @@ static PyObject *transforms_of(VM *vm, Obj *st, uint64_t limit) {
     H t;
     if (!dict_get(vm, st, limit, "transform_descriptors", &t) || t == CONST_H(C_NONE) || t == CONST_H(C_FALSE))
         return PyTuple_New(0);
-    Obj *o = obj_of(vm, t, -1);
-    if (!o || (o->kind != K_TUPLE && o->kind != K_LIST) || charge(vm, o->n)) return NULL;
+    Obj *o = sequence_of(vm, t);
+    if (!o || charge(vm, o->n)) return NULL;
     PyObject *out = PyTuple_New(o->n);
-    size_t at = 0;
-    for (uint64_t s = o->kind == K_TUPLE ? 1 : o->a; out && s; s = o->kind == K_TUPLE ? 0 : vm->segs[s - 1].next) {
-        size_t first = o->kind == K_TUPLE ? o->a : vm->segs[s - 1].start;
-        size_t count = o->kind == K_TUPLE ? o->n : vm->segs[s - 1].count;
-        for (size_t i = 0; out && i < count; i++) {
-            H v = vm->items[first + i];
-            PyObject *x = TAG(v) == T_STR ? py_str(vm, v) : NULL;
-            if (!x) Py_CLEAR(out);
-            else PyTuple_SET_ITEM(out, at++, x);
-        }
+    Iter it = iter(vm, o);
+    H v;
+    for (size_t at = 0; out && iter_next(vm, &it, &v); at++) {
+        PyObject *x = TAG(v) == T_STR ? py_str(vm, v) : NULL;
+        if (!x) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, at, x);
     }
     return out;
 }
 
-/* storage_data -> [StorageEntry(key, chunk_offsets, relative_path, offset, length, transforms)]. */
-static PyObject *storage_of(VM *vm, Obj *sd) {
-    PyObject *out = PyList_New(0);
-    for (uint64_t s = sd ? sd->a : 0; out && s; s = vm->segs[s - 1].next) {
-        Seg *seg = &vm->segs[s - 1];
-        for (uint32_t i = 0; out && i < seg->count; i += 2) {
-            H k = vm->items[seg->start + i], v = vm->items[seg->start + i + 1], fqn, where, path, off, len;
-            uint64_t klimit, vlimit;
-            Obj *key = obj_of(vm, k, K_OBJ);
-            Obj *ks = state_dict(vm, k, R_INDEX, &klimit), *vs = state_dict(vm, v, R_STORAGE_INFO, &vlimit);
-            PyObject *f[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *entry = NULL;
-            /* A key object twice is one dict entry in Python: the Python path decides. */
-            int ok = key && !key->keyed && ks && vs && dict_get(vm, ks, klimit, "fqn", &fqn) && TAG(fqn) == T_STR
-                     && dict_get(vm, vs, vlimit, "relative_path", &path) && TAG(path) == T_STR
-                     && dict_get(vm, vs, vlimit, "offset", &off) && TAG(off) == T_INT
-                     && dict_get(vm, vs, vlimit, "length", &len) && TAG(len) == T_INT;
-            if (ok) {
-                key->keyed = 1;
-                f[0] = py_str(vm, fqn);
-                if (!dict_get(vm, ks, klimit, "offset", &where) || where == CONST_H(C_NONE)) {
-                    Py_INCREF(Py_None);
-                    f[1] = Py_None;
-                } else {
-                    f[1] = int_tuple(vm, where);
-                }
-                f[2] = py_str(vm, path);
-                f[3] = PyLong_FromLongLong(int_of(off));
-                f[4] = PyLong_FromLongLong(int_of(len));
-                f[5] = transforms_of(vm, vs, vlimit);
-                ok = f[0] && f[1] && f[2] && f[3] && f[4] && f[5];
-            }
-            if (ok) entry = make_record(vm->entry_type, f, 6);
-            else for (int j = 0; j < 6; j++) Py_XDECREF(f[j]);
-            if (!entry || PyList_Append(out, entry)) Py_CLEAR(out);
-            Py_XDECREF(entry);
-        }
+/* One storage_data entry: StorageEntry(key, chunk_offsets, relative_path, offset, length, transforms). */
+static PyObject *storage_entry(VM *vm, H k, H v) {
+    H fqn, where, path, off, len;
+    uint64_t klimit, vlimit;
+    Obj *key = obj_of(vm, k, K_OBJ);
+    Obj *ks = state_dict(vm, k, R_INDEX, &klimit), *vs = state_dict(vm, v, R_STORAGE_INFO, &vlimit);
+    PyObject *f[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    /* A key object twice is one dict entry in Python: the Python path decides. */
+    int ok = key && !key->keyed && ks && vs && dict_get(vm, ks, klimit, "fqn", &fqn) && TAG(fqn) == T_STR
+             && dict_get(vm, vs, vlimit, "relative_path", &path) && TAG(path) == T_STR
+             && dict_get(vm, vs, vlimit, "offset", &off) && TAG(off) == T_INT
+             && dict_get(vm, vs, vlimit, "length", &len) && TAG(len) == T_INT;
+    if (ok) {
+        key->keyed = 1;
+        f[0] = py_str(vm, fqn);
+        if (!dict_get(vm, ks, klimit, "offset", &where) || where == CONST_H(C_NONE)) f[1] = Py_NewRef(Py_None);
+        else f[1] = int_tuple(vm, where);
+        f[2] = py_str(vm, path);
+        f[3] = PyLong_FromLongLong(int_of(off));
+        f[4] = PyLong_FromLongLong(int_of(len));
+        f[5] = transforms_of(vm, vs, vlimit);
+        ok = f[0] && f[1] && f[2] && f[3] && f[4] && f[5];
     }
-    return out;
+    if (ok) return make_record(vm->entry_type, f, 6);
+    for (int j = 0; j < 6; j++) Py_XDECREF(f[j]);
+    return NULL;
 }
 
 /* (version, items, storage, planner_data or None) of the parsed Metadata; NULL to decline. */
@@ -811,8 +788,8 @@ static PyObject *extract(VM *vm, H root) {
     else if ((standin = obj_of(vm, planner_h, K_OBJ)) && (is_dict_role(standin->role) || standin->role == R_PROPS))
         planner = NULL;
     else planner = Py_NewRef(Py_None);
-    if (version && planner) items = items_of(vm, sdm);
-    if (items) storage = storage_of(vm, sd);
+    if (version && planner) items = entries_of(vm, sdm, item_entry);
+    if (items) storage = entries_of(vm, sd, storage_entry);
     if (storage) result = PyTuple_Pack(4, version, items, storage, planner);
     Py_XDECREF(version);
     Py_XDECREF(planner);
