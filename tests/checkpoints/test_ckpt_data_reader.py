@@ -106,11 +106,11 @@ def test_dtypes_saved_through_untyped_storage_are_readable(tmp_path: Path, dtype
 @pytest.mark.parametrize("name", [".metadata", "model.safetensors"])
 def test_a_metadata_file_swapped_for_a_fifo_is_refused_without_blocking(tmp_path: Path, name: str) -> None:
     """Between the listing and the read a FIFO can take the metadata's place: open() must not wait for a writer."""
-    from torchpulse.checkpoints.reader import read_metadata_file, read_safetensors_header
+    from torchpulse.checkpoints.reader import parse_metadata_file, read_safetensors_header
 
     fifo = tmp_path / name
     os.mkfifo(fifo)
-    read = read_metadata_file if name == ".metadata" else read_safetensors_header
+    read = parse_metadata_file if name == ".metadata" else read_safetensors_header
     with pytest.raises(ValueError, match="not a regular file"):
         read(fifo)
     link = tmp_path / "link"

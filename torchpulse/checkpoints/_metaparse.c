@@ -564,21 +564,32 @@ static PyObject *py_str(VM *vm, H h) {
     return s;
 }
 
-/* The tuple of Python ints a tuple of int handles makes; NULL to decline (lists included: DCP
- * writes torch.Size). Made once per pickled tuple and shared, as the unpickler shares it: a chunk's
- * offsets and its storage entry's are one object. */
+/* A Python tuple of `convert` applied to each handle of a tuple or list; NULL to decline. */
+static PyObject *map_tuple(VM *vm, Obj *o, PyObject *(*convert)(VM *, H)) {
+    if (charge(vm, o->n)) return NULL;
+    PyObject *out = PyTuple_New(o->n);
+    Iter it = iter(vm, o);
+    H v;
+    for (size_t at = 0; out && iter_next(vm, &it, &v); at++) {
+        PyObject *x = convert(vm, v);
+        if (!x) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, at, x);
+    }
+    return out;
+}
+static PyObject *int_of_handle(VM *vm, H h) {
+    (void)vm;
+    return TAG(h) == T_INT ? PyLong_FromLongLong(int_of(h)) : NULL;
+}
+static PyObject *str_of_handle(VM *vm, H h) { return TAG(h) == T_STR ? py_str(vm, h) : NULL; }
+
+/* The tuple of Python ints a tuple of int handles makes (a list declines: DCP writes torch.Size);
+ * NULL to decline. Made once per pickled tuple and shared wherever the pickle shares it. */
 static PyObject *int_tuple(VM *vm, H h) {
     Obj *o = obj_of(vm, h, K_TUPLE);
     if (!o) return NULL;
     if (o->b) return Py_NewRef((PyObject *)(uintptr_t)o->b);
-    if (charge(vm, o->n)) return NULL;
-    PyObject *t = PyTuple_New(o->n);
-    for (uint32_t i = 0; t && i < o->n; i++) {
-        H v = vm->items[o->a + i];
-        PyObject *x = TAG(v) == T_INT ? PyLong_FromLongLong(int_of(v)) : NULL;
-        if (!x) Py_CLEAR(t);
-        else PyTuple_SET_ITEM(t, i, x);
-    }
+    PyObject *t = map_tuple(vm, o, int_of_handle);
     if (t) o->b = (uint64_t)(uintptr_t)Py_NewRef(t);
     return t;
 }
@@ -657,27 +668,19 @@ static PyObject *props_dtype(VM *vm, H props) {
     return NULL;
 }
 
-/* Chunk tuples of one tensor's `chunks` (a list or tuple of built ChunkStorageMetadata). */
-static PyObject *chunks_of(VM *vm, H h) {
-    Obj *o = sequence_of(vm, h);
-    if (!o || charge(vm, o->n)) return NULL;
-    PyObject *out = PyTuple_New(o->n);
-    Iter it = iter(vm, o);
-    H c, offsets, sizes;
-    for (size_t at = 0; out && iter_next(vm, &it, &c); at++) {
-        uint64_t limit;
-        Obj *st = state_dict(vm, c, R_CHUNK, &limit);
-        PyObject *f[2] = {NULL, NULL}, *chunk = NULL;
-        if (st && dict_get(vm, st, limit, "offsets", &offsets) && dict_get(vm, st, limit, "sizes", &sizes)) {
-            f[0] = int_tuple(vm, offsets);
-            f[1] = f[0] ? int_tuple(vm, sizes) : NULL;
-        }
-        if (f[1]) chunk = make_record(vm->chunk_type, f, 2);
-        else Py_XDECREF(f[0]);
-        if (!chunk) Py_CLEAR(out);
-        else PyTuple_SET_ITEM(out, at, chunk);
+/* The Chunk of one built ChunkStorageMetadata. */
+static PyObject *chunk_of(VM *vm, H c) {
+    uint64_t limit;
+    H offsets, sizes;
+    Obj *st = state_dict(vm, c, R_CHUNK, &limit);
+    PyObject *f[2] = {NULL, NULL};
+    if (st && dict_get(vm, st, limit, "offsets", &offsets) && dict_get(vm, st, limit, "sizes", &sizes)) {
+        f[0] = int_tuple(vm, offsets);
+        f[1] = f[0] ? int_tuple(vm, sizes) : NULL;
     }
-    return out;
+    if (f[1]) return make_record(vm->chunk_type, f, 2);
+    Py_XDECREF(f[0]);
+    return NULL;
 }
 
 /* One state_dict_metadata entry: (key, None) for a bytes item, (key, dtype, size, chunks) for a tensor. */
@@ -693,7 +696,8 @@ static PyObject *item_entry(VM *vm, H k, H v) {
                && dict_get(vm, st, limit, "chunks", &chunks)) {
         PyObject *dtype = props_dtype(vm, props);
         PyObject *shape = dtype ? int_tuple(vm, size) : NULL;
-        PyObject *pieces = shape ? chunks_of(vm, chunks) : NULL;
+        Obj *list = shape ? sequence_of(vm, chunks) : NULL;
+        PyObject *pieces = list ? map_tuple(vm, list, chunk_of) : NULL;
         if (pieces) entry = PyTuple_Pack(4, key, dtype, shape, pieces);
         Py_XDECREF(dtype);
         Py_XDECREF(shape);
@@ -722,16 +726,7 @@ static PyObject *transforms_of(VM *vm, Obj *st, uint64_t limit) {
     if (!dict_get(vm, st, limit, "transform_descriptors", &t) || t == CONST_H(C_NONE) || t == CONST_H(C_FALSE))
         return PyTuple_New(0);
     Obj *o = sequence_of(vm, t);
-    if (!o || charge(vm, o->n)) return NULL;
-    PyObject *out = PyTuple_New(o->n);
-    Iter it = iter(vm, o);
-    H v;
-    for (size_t at = 0; out && iter_next(vm, &it, &v); at++) {
-        PyObject *x = TAG(v) == T_STR ? py_str(vm, v) : NULL;
-        if (!x) Py_CLEAR(out);
-        else PyTuple_SET_ITEM(out, at, x);
-    }
-    return out;
+    return o ? map_tuple(vm, o, str_of_handle) : NULL;
 }
 
 /* One storage_data entry: StorageEntry(key, chunk_offsets, relative_path, offset, length, transforms). */

@@ -134,24 +134,15 @@ def open_regular(path: Path) -> io.BufferedReader:
     return open(opened[0], "rb", closefd=True)
 
 
-def _read_capped(path: Path, size_cap: int) -> bytes:
+def parse_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> Extracted | MetadataStandIn:
+    """The C reader's model of one metadata file, or the Python unpickler's stand-ins where it declines.
+
+    Raises ValueError when the file is over `size_cap` or not a regular file.
+    """
     with open_regular(path) as f:
         data = f.read(size_cap + 1)
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
-    return data
-
-
-def read_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> MetadataStandIn:
-    """Read and safely unpickle one metadata file; raise ValueError if over `size_cap`."""
-    data = _read_capped(path, size_cap)
-    with gc_paused():
-        return load_metadata(data)
-
-
-def parse_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> Extracted | MetadataStandIn:
-    """The C reader's model of one metadata file, or the Python unpickler's stand-ins where it declines."""
-    data = _read_capped(path, size_cap)
     with gc_paused():
         return native.parse(data) or load_metadata(data)
 

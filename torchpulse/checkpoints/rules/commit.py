@@ -125,12 +125,12 @@ def _items_past_eof_exact(ckpt: Checkpoint) -> list[Finding]:
 
 def overlapping_items(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-007: no two items share bytes of one file (sort by offset, O(n log n))."""
+    if kernels.items_disjoint(ckpt.storage):
+        return []
     # Sorted by (file, offset), items are disjoint exactly when each one ends
     # before the next one of its file starts (then no earlier item reaches further).
     # Empty items stay in: one inside another fails this check, and the exact walk,
     # which skips them, then decides.
-    if kernels.items_disjoint(ckpt.storage):
-        return []
     spans = sorted(ckpt.storage, key=_path_offset)
     paths = list(map(_path, spans))
     starts = list(map(_offset, spans))
