@@ -12,10 +12,11 @@ machine load hits every configuration alike:
 - default:      pass counting, node timing every 100th pass, non-finite check
 - every_pass:   node timing on every pass
 - torch_debug:  torch's own logging hooks (`torch.autograd.graph` at DEBUG)
-- read_grads:   no probe; the step reads every gradient once after backward
-                (`torch._foreach_norm`, results to the host): the floor of any
-                check that looks at every element on every pass, which on CPU
-                is memory bandwidth and differs from host to host
+- read_grads:   no probe; the step reads every gradient once after backward,
+                as the default check does (the C scan `_gradscan` where it was
+                built, else `torch._foreach_norm` with results to the host): the
+                floor of any check that looks at every element on every pass,
+                which on CPU is memory bandwidth and differs from host to host
 
 Each step is timed twice: wall clock, and CPU time of the training thread
 (`time.thread_time`; with --threads 1 every op runs on that thread, and time
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import median_interval
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.autograd import AutogradProbe
+from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _scanner
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.identity import current_identity
 
@@ -111,6 +113,14 @@ def make_step() -> Callable[[bool], float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, 128, 256)
     params = list(model.parameters())
+    scan = _scanner()
+
+    def read_every_gradient() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if scan is None:
+            torch.stack(torch._foreach_norm(grads)).tolist()
+        else:
+            scan(_SCAN_FORMATS[torch.float32][0], [g.data_ptr() for g in grads], [g.nbytes for g in grads])
 
     def step(read_grads: bool = False) -> float:
         """One training step; with read_grads, returns the thread CPU time of that read."""
@@ -118,7 +128,7 @@ def make_step() -> Callable[[bool], float]:
         read = 0.0
         if read_grads:
             start = time.thread_time()
-            torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])).tolist()
+            read_every_gradient()
             read = time.thread_time() - start
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -202,6 +212,8 @@ def main() -> int:
         for name in names[shift:] + names[:shift]:
             run(name)
 
+    reader = "the C scan (_gradscan)" if _scanner() is not None else "torch._foreach_norm (_gradscan not built)"
+    print(f"gradients read by {reader}")
     print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
           f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
           f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU")

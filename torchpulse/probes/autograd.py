@@ -112,7 +112,7 @@ class AutogradProbe(Probe):
         self._passes = 0
         self._discovered = False
         self._lost_search_at = -LOST_SEARCH_EVERY
-        self._check = GradCheck(self.config.max_pending_checks)
+        self._check = GradCheck(self.config.max_pending_checks, norms=self.config.grad_norm)
         # Optimizer -> parameter groups already tracked: graph walks find parameters only on
         # sampled passes, so a second model (a GAN's generator, a rebuilt model) or the inside
         # of a reentrant checkpoint would go unchecked for up to N passes, or for ever.
