@@ -26,7 +26,9 @@ from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, GradCheck
 
 scan = autograd_nonfinite._scanner()
 needs_scan = pytest.mark.skipif(scan is None, reason="_gradscan not built (no C compiler): torch reads instead")
-BLOCK = 16384  # elements per block in _gradscan.c: a NaN ends the scan at its block's end
+# As in _gradscan.c: a span is read as STREAMS parts in lockstep, BLOCK elements of each at a time
+# (a NaN ends the scan at its block's end), and the last n % STREAMS elements after them.
+STREAMS, BLOCK = 4, 4096
 
 
 def test_the_scan_is_built_where_a_compiler_is() -> None:
@@ -84,7 +86,8 @@ def _finite_extremes(dtype: torch.dtype) -> list[float]:
 @needs_scan
 @settings(max_examples=200, deadline=None)
 @given(dtype=st.sampled_from(list(_SCAN_FORMATS)),
-       length=st.one_of(st.integers(1, 70), st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])),
+       length=st.one_of(st.integers(1, 70), st.sampled_from(
+           [STREAMS * BLOCK - 1, STREAMS * BLOCK, STREAMS * BLOCK + 3, 9 * BLOCK + 5, 3 * STREAMS * BLOCK + 2])),
        where=st.floats(0, 1), bad=st.sampled_from([math.nan, math.inf, -math.inf, None]),
        imaginary=st.booleans())
 def test_one_bad_element_anywhere_is_found_and_finite_extremes_are_not(
@@ -110,11 +113,12 @@ def test_one_bad_element_anywhere_is_found_and_finite_extremes_are_not(
 
 @needs_scan
 def test_only_the_spans_holding_a_bad_element_are_named_and_empty_spans_are_clean() -> None:
-    tensors = [torch.zeros(5 * BLOCK) for _ in range(4)] + [torch.zeros(0)]
-    tensors[1][-1] = math.nan
-    tensors[3][BLOCK] = -math.inf
+    tensors = [torch.zeros(5 * STREAMS * BLOCK + 3) for _ in range(5)] + [torch.zeros(0)]
+    tensors[1][-1] = math.nan  # in the tail after the streams
+    tensors[3][STREAMS * BLOCK] = -math.inf  # in the second block of the first stream
+    tensors[4][(STREAMS - 1) * 5 * BLOCK + BLOCK - 1] = math.inf  # at the end of the last stream's first block
     assert scan is not None
-    assert [1, 3] == scan(2, [t.data_ptr() for t in tensors], [t.nbytes for t in tensors])
+    assert [1, 3, 4] == scan(2, [t.data_ptr() for t in tensors], [t.nbytes for t in tensors])
     assert [] == scan(2, [0], [0])
 
 

@@ -24,25 +24,37 @@
 #define WIDEST
 #endif
 
-/* Elements per block: a NaN stops the scan at the end of its block, not of the tensor. */
-#define BLOCK 16384
+/* Elements per block and stream: a NaN stops the scan at the end of its block, not of the tensor. */
+#define BLOCK 4096
 
-/* Elements are loaded with memcpy: a tensor made by torch.frombuffer may start at any byte,
+/* A span is read as STREAMS equal parts in lockstep: a freshly written gradient comes from
+ * memory, not cache, and one core's bandwidth from memory grows with the streams in flight
+ * (four read 10% faster than one in place after a real backward pass; eight no faster).
+ *
+ * Elements are loaded with memcpy: a tensor made by torch.frombuffer may start at any byte,
  * and reading a float's bytes through an integer pointer would break C's aliasing rules. gcc
  * turns each memcpy into one (vector) load. */
-#define SCANNER(NAME, T, MAGNITUDE, LOWEST_EXPONENT, TOP)                  \
-    WIDEST static int NAME(const unsigned char *p, size_t n) {           \
-        for (size_t start = 0; start < n; start += BLOCK) {              \
-            size_t end = n - start < BLOCK ? n : start + BLOCK;          \
-            T acc = 0;                                                   \
-            for (size_t i = start; i < end; i++) {                       \
-                T v;                                                     \
-                memcpy(&v, p + i * sizeof(T), sizeof(T));                \
-                acc |= (T)((T)(v & (MAGNITUDE)) + (LOWEST_EXPONENT));    \
-            }                                                            \
-            if (acc & (TOP)) return 1;                                   \
-        }                                                                \
-        return 0;                                                        \
+#define STREAMS 4
+#define SCANNER(NAME, T, MAGNITUDE, LOWEST_EXPONENT, TOP)                          \
+    WIDEST static int NAME(const unsigned char *p, size_t n) {                   \
+        size_t part = n / STREAMS;                                               \
+        T acc = 0;                                                               \
+        for (size_t start = 0; start < part; start += BLOCK) {                   \
+            size_t end = part - start < BLOCK ? part : start + BLOCK;            \
+            for (size_t i = start; i < end; i++)                                 \
+                for (size_t s = 0; s < STREAMS; s++) {                           \
+                    T v;                                                         \
+                    memcpy(&v, p + (s * part + i) * sizeof(T), sizeof(T));      \
+                    acc |= (T)((T)(v & (MAGNITUDE)) + (LOWEST_EXPONENT));        \
+                }                                                                \
+            if (acc & (TOP)) return 1;                                           \
+        }                                                                        \
+        for (size_t i = STREAMS * part; i < n; i++) {                            \
+            T v;                                                                 \
+            memcpy(&v, p + i * sizeof(T), sizeof(T));                            \
+            acc |= (T)((T)(v & (MAGNITUDE)) + (LOWEST_EXPONENT));                \
+        }                                                                        \
+        return (acc & (TOP)) != 0;                                               \
     }
 
 SCANNER(scan_f16, uint16_t, 0x7fffu, 0x0400u, 0x8000u)
