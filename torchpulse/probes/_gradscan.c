@@ -62,7 +62,7 @@ SCANNER(scan_bf16, uint16_t, 0x7fffu, 0x0080u, 0x8000u)
 SCANNER(scan_f32, uint32_t, 0x7fffffffu, 0x00800000u, 0x80000000u)
 SCANNER(scan_f64, uint64_t, 0x7fffffffffffffffull, 0x0010000000000000ull, 0x8000000000000000ull)
 
-/* Format codes, as torchpulse.probes.autograd_scan names them. */
+/* Format codes, as torchpulse.probes.autograd_nonfinite._SCAN_FORMATS names them. */
 enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3 };
 static const size_t WIDTH[] = {2, 2, 4, 8};
 
