@@ -469,17 +469,13 @@ static int run(VM *vm, H *result) {
         case 0x94: /* MEMOIZE */
             if (memo_put(vm, vm->nmemo)) return -1;
             break;
-        case 'q': /* BINPUT */
-            if (arg(vm, 1, &u) || memo_put(vm, u)) return -1;
+        case 'q': /* BINPUT: a 1-byte memo index */
+        case 'r': /* LONG_BINPUT: a 4-byte one */
+            if (arg(vm, op == 'q' ? 1 : 4, &u) || memo_put(vm, u)) return -1;
             break;
-        case 'r': /* LONG_BINPUT */
-            if (arg(vm, 4, &u) || memo_put(vm, u)) return -1;
-            break;
-        case 'h': /* BINGET */
-            if (arg(vm, 1, &u) || memo_get(vm, u)) return -1;
-            break;
-        case 'j': /* LONG_BINGET */
-            if (arg(vm, 4, &u) || memo_get(vm, u)) return -1;
+        case 'h': /* BINGET: a 1-byte memo index */
+        case 'j': /* LONG_BINGET: a 4-byte one */
+            if (arg(vm, op == 'h' ? 1 : 4, &u) || memo_get(vm, u)) return -1;
             break;
         default: /* everything else: the Python path decides */
             return -1;
