@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import median_interval
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.autograd import AutogradProbe
-from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _scanner
+from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _gradscan
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.identity import current_identity
 
@@ -113,14 +113,14 @@ def make_step() -> Callable[[bool], float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, 128, 256)
     params = list(model.parameters())
-    scan = _scanner()
 
     def read_every_gradient() -> None:
         grads = [p.grad for p in params if p.grad is not None]
-        if scan is None:
+        if _gradscan is None:
             torch.stack(torch._foreach_norm(grads)).tolist()
         else:
-            scan(_SCAN_FORMATS[torch.float32][0], [g.data_ptr() for g in grads], [g.nbytes for g in grads])
+            float32 = _SCAN_FORMATS[torch.float32][0]
+            _gradscan.nonfinite(float32, [g.data_ptr() for g in grads], [g.nbytes for g in grads])
 
     def step(read_grads: bool = False) -> float:
         """One training step; with read_grads, returns the thread CPU time of that read."""
@@ -212,7 +212,7 @@ def main() -> int:
         for name in names[shift:] + names[:shift]:
             run(name)
 
-    reader = "the C scan (_gradscan)" if _scanner() is not None else "torch._foreach_norm (_gradscan not built)"
+    reader = "the C scan (_gradscan)" if _gradscan is not None else "torch._foreach_norm (_gradscan not built)"
     print(f"gradients read by {reader}")
     print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
           f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "

@@ -9,11 +9,10 @@ install time). On None the caller runs the Python path, which then decides.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
-from types import ModuleType
 from typing import Any, Final, NamedTuple
 
+from torchpulse.c_modules import optional_module
 from torchpulse.checkpoints.model import Chunk, StorageEntry
 from torchpulse.checkpoints.unpickler import (
     _METADATA_GLOBALS,
@@ -30,15 +29,6 @@ from torchpulse.checkpoints.unpickler import (
     _layout,
     _path,
 )
-
-
-def optional_module(name: str) -> ModuleType | None:
-    """A C module of this package, or None where it was not built (no compiler at install time)."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
 
 _metaparse = optional_module("torchpulse.checkpoints._metaparse")
 

@@ -23,7 +23,6 @@ norm is computed again in float64 (on CPU a float64 reduction costs 1.6-3.7x).
 
 from __future__ import annotations
 
-import importlib
 import math
 import weakref
 from collections import deque
@@ -33,17 +32,15 @@ from typing import Any
 
 import torch
 
+from torchpulse.c_modules import optional_module
 from torchpulse.probes import torch_features as tf
 
 ParamRef = weakref.ReferenceType[torch.Tensor]
 
 
-def _scanner() -> Callable[[int, list[int], list[int]], list[int]] | None:
-    """`_gradscan.nonfinite`, or None where the C module was not built (no compiler at install time)."""
-    try:
-        return importlib.import_module("torchpulse.probes._gradscan").nonfinite  # type: ignore[no-any-return]
-    except ImportError:
-        return None
+# None where it was not built (no compiler at install time): `_foreach_norm` then reads CPU gradients too.
+_gradscan = optional_module("torchpulse.probes._gradscan")
+Scanner = Callable[[int, list[int], list[int]], list[int]]  # _gradscan.nonfinite
 
 
 # dtype -> (the scanner's format code, bytes per element). Complex dtypes are scanned as their
@@ -123,7 +120,7 @@ class GradCheck:
         self._pending: deque[_Pending | _Done] = deque()
         self._max_pending = max_pending
         # The CPU scan answers finite or not, without a norm: used only where no norm is wanted.
-        self._scan = None if norms else _scanner()
+        self._scan: Scanner | None = None if norms or _gradscan is None else _gradscan.nonfinite
         self.dropped = 0
         # Set when a tracked nn.Parameter dies: its model was dropped, most likely for a
         # rebuilt one whose parameters the next pass should look for (the caller resets it).

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from torchpulse.c_modules import optional_module
 from torchpulse.checkpoints.model import Chunk, StorageEntry
-from torchpulse.checkpoints.native import optional_module
 
 _kernels: ModuleType | None = optional_module("torchpulse.checkpoints._rulekernels")
 
