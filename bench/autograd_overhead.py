@@ -14,7 +14,8 @@ machine load hits every configuration alike:
 - torch_debug:  torch's own logging hooks (`torch.autograd.graph` at DEBUG)
 - read_grads:   no probe; the step reads every gradient once after backward,
                 as the default check does (the C scan `_gradscan` where it was
-                built, else `torch._foreach_norm` with results to the host): the
+                built, on torch's OpenMP threads, else `torch._foreach_norm`
+                with results to the host): the
                 floor of any check that looks at every element on every pass,
                 which on CPU is memory bandwidth and differs from host to host
 
@@ -26,7 +27,9 @@ the medians, and the ratio of the 10th percentiles (interference only adds
 time, so the low percentile is the steadiest), with a distribution-free 95%
 interval for the paired median. Below the noise floor of any ratio, the
 probe's own work on the training thread is also timed directly and turned
-into an implied ratio. Not a timed test: the numbers are read.
+into an implied ratio: by thread CPU time with --threads 1, by the wall clock
+with more (other threads then share the work, the scan of gradients too).
+Not a timed test: the numbers are read.
 
     .venv/bin/python bench/autograd_overhead.py [--rounds 40] [--threads 1]
 """
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import median_interval
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.autograd import AutogradProbe
-from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _gradscan
+from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _SCAN_ON_TEAM, _gradscan
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.identity import current_identity
 
@@ -77,20 +80,21 @@ class _TorchDebugLogging(AbstractContextManager[None]):
 
 
 class SelfTime:
-    """Thread CPU time spent inside the probe's pass wrapper (outside the engine) and drain."""
+    """Time spent inside the probe's pass wrapper (outside the engine) and drain, by `clock`."""
 
-    def __init__(self, probe: AutogradProbe) -> None:
+    def __init__(self, probe: AutogradProbe, clock: Callable[[], float]) -> None:
         self.seconds = 0.0
+        self.clock = clock
         for attr in ("_begin", "_end"):
             setattr(probe, attr, self._timed(getattr(probe, attr)))
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
-            start = time.thread_time()
+            start = self.clock()
             try:
                 return fn(*args)
             finally:
-                self.seconds += time.thread_time() - start
+                self.seconds += self.clock() - start
 
         return timed
 
@@ -106,7 +110,7 @@ def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
     return agent, probe
 
 
-def make_step() -> Callable[[bool], float]:
+def make_step(clock: Callable[[], float]) -> Callable[[bool], float]:
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True)
     model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -120,16 +124,17 @@ def make_step() -> Callable[[bool], float]:
             torch.stack(torch._foreach_norm(grads)).tolist()
         else:
             float32 = _SCAN_FORMATS[torch.float32][0]
-            _gradscan.nonfinite(float32, [g.data_ptr() for g in grads], [g.nbytes for g in grads])
+            threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
+            _gradscan.nonfinite(float32, [g.data_ptr() for g in grads], [g.nbytes for g in grads], threads)
 
     def step(read_grads: bool = False) -> float:
-        """One training step; with read_grads, returns the thread CPU time of that read."""
+        """One training step; with read_grads, returns the time of that read by `clock`."""
         model(x).square().mean().backward()
         read = 0.0
         if read_grads:
-            start = time.thread_time()
+            start = clock()
             read_every_gradient()
-            read = time.thread_time() - start
+            read = clock() - start
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return read
@@ -163,8 +168,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # The probe's own work, timed directly: by the training thread's CPU time where it runs every op;
+    # with more threads, other threads share the work (the scan too), so by the wall clock.
+    clock, clock_name = (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
 
-    step = make_step()
+    step = make_step(clock)
     default_agent, default_probe = make_probe()
     every_agent, every_probe = make_probe(sample_every="1")
     configs: dict[str, tuple[AutogradProbe | None, Agent | None, Callable[[], object]]] = {
@@ -175,9 +183,9 @@ def main() -> int:
         "torch_debug": (None, None, _TorchDebugLogging),
         "read_grads": (None, None, nullcontext),
     }
-    self_times = {"default": SelfTime(default_probe), "every_pass": SelfTime(every_probe)}
+    self_times = {"default": SelfTime(default_probe, clock), "every_pass": SelfTime(every_probe, clock)}
     names = list(configs)
-    read_seconds = 0.0  # thread CPU of the read_grads arm's reads
+    read_seconds = 0.0  # the read_grads arm's reads, by `clock`
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
 
@@ -190,9 +198,9 @@ def main() -> int:
             start, start_cpu = time.perf_counter(), time.thread_time()
             read_seconds += step(name == "read_grads")
             if agent is not None:
-                drain_start = time.thread_time()
+                drain_start = clock()
                 agent.drain()
-                self_times[name].seconds += time.thread_time() - drain_start
+                self_times[name].seconds += clock() - drain_start
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.thread_time() - start_cpu)
         if probe is not None:
@@ -212,29 +220,31 @@ def main() -> int:
         for name in names[shift:] + names[:shift]:
             run(name)
 
-    reader = "the C scan (_gradscan)" if _gradscan is not None else "torch._foreach_norm (_gradscan not built)"
+    reader = "torch._foreach_norm (_gradscan not built)" if _gradscan is None else (
+        "the C scan (_gradscan), on torch's OpenMP threads" if _SCAN_ON_TEAM else "the C scan (_gradscan)")
     print(f"gradients read by {reader}")
     print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
           f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
           f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU")
-    for clock, times in (("wall", wall), ("thread CPU", cpu)):
-        _report(clock, times, names)
-    off_cpu = sum(cpu["off"])
+    for label, times in (("wall", wall), ("thread CPU", cpu)):
+        _report(label, times, names)
+    steps = wall if args.threads > 1 else cpu  # by the clock the probe's work was timed with
+    off_total = sum(steps["off"])
     for name, self_time in self_times.items():
         print(f"{name}: probe self time (wrapper outside the engine + drain; node hooks excluded) "
-              f"= {self_time.seconds / off_cpu:.4%} of the off step's thread CPU")
+              f"= {self_time.seconds / off_total:.4%} of the off step's {clock_name}")
     # A timed pass (1 in sample_every by default) also runs node hooks inside the engine: its
     # extra cost is what every_pass adds over default on each pass, spread over the period.
     per_pass_timing = statistics.median(
-        (e - d) / o for e, d, o in zip(cpu["every_pass"], cpu["default"], cpu["off"], strict=True))
+        (e - d) / o for e, d, o in zip(steps["every_pass"], steps["default"], steps["off"], strict=True))
     every = default_probe.config.sample_every
-    implied = 1 + self_times["default"].seconds / off_cpu + max(0.0, per_pass_timing) / every
+    implied = 1 + self_times["default"].seconds / off_total + max(0.0, per_pass_timing) / every
     print(f"default: implied ratio {implied:.5f} (self time + 1/{every} of a timed pass's "
           f"extra {per_pass_timing:.2%})")
     # The part of the default that no every-pass check avoids: one read of every gradient.
-    floor = read_seconds / off_cpu
+    floor = read_seconds / off_total
     print(f"read_grads: reading every gradient once, timed directly, = {floor:.4%} of the off step's "
-          f"thread CPU; the default's self time beyond it: {self_times['default'].seconds / off_cpu - floor:.4%}")
+          f"{clock_name}; the default's self time beyond it: {self_times['default'].seconds / off_total - floor:.4%}")
     # Each probe must have seen exactly the steps of its own arm (warm-up included), and none of the others.
     arm_steps = args.warmup + args.rounds
     checks = []

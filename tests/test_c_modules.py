@@ -6,6 +6,7 @@ import shutil
 import sysconfig
 
 import pytest
+import torch
 
 from torchpulse.checkpoints import native
 from torchpulse.checkpoints.rules import kernels
@@ -19,3 +20,6 @@ def test_the_c_modules_are_built_where_a_compiler_is() -> None:
     assert native._metaparse is not None  # the .metadata reader
     assert kernels._kernels is not None  # the per-chunk rules' fast accepts
     assert autograd_nonfinite._gradscan is not None  # the non-finite scan of CPU gradients
+    # ... which splits across torch's OpenMP team wherever torch has one.
+    assert autograd_nonfinite._SCAN_ON_TEAM == torch.backends.openmp.is_available()
+    assert autograd_nonfinite.scan_limits() is None or not torch.backends.openmp.is_available()

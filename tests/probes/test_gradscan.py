@@ -8,6 +8,7 @@ and refuse raw spans it cannot read whole.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -25,8 +26,10 @@ from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, GradCheck
 scan = None if autograd_nonfinite._gradscan is None else autograd_nonfinite._gradscan.nonfinite
 needs_scan = pytest.mark.skipif(scan is None, reason="_gradscan not built (no C compiler): torch reads instead")
 # As in _gradscan.c: a span is read as STREAMS parts in lockstep, BLOCK elements of each at a time
-# (a NaN ends the scan at its block's end), and the last n % STREAMS elements after them.
-STREAMS, BLOCK = 4, 4096
+# (a NaN ends the scan at its block's end), and the last n % STREAMS elements after them. Scans of
+# at least PARALLEL_MIN_BYTES per thread split across torch's OpenMP team.
+STREAMS, BLOCK, PARALLEL_MIN_BYTES = 4, 4096, 256 * 1024
+needs_team = pytest.mark.skipif(not autograd_nonfinite._SCAN_ON_TEAM, reason="no OpenMP team to split across")
 
 
 def scanned(tensor: torch.Tensor) -> bool:
@@ -111,6 +114,68 @@ def test_only_the_spans_holding_a_bad_element_are_named_and_empty_spans_are_clea
     assert scan is not None
     assert [1, 3, 4] == scan(2, [t.data_ptr() for t in tensors], [t.nbytes for t in tensors])
     assert [] == scan(2, [0], [0])
+
+
+@needs_team
+@settings(max_examples=60, deadline=None)
+@given(threads=st.integers(2, 5), cuts=st.lists(st.integers(0, 700_000), min_size=1, max_size=6),
+       marks=st.lists(st.integers(0, 2**31), max_size=3), edge=st.sampled_from([None, -1, 0]))
+def test_a_scan_split_across_threads_names_what_one_thread_names(
+        threads: int, cuts: list[int], marks: list[int], edge: int | None) -> None:
+    """Each thread scans an equal share of the spans laid end to end: shares start and end inside
+    spans, and a bad element on either side of a share's edge, or in the last thread's remainder,
+    is found and put on its own span."""
+    assert scan is not None and autograd_nonfinite._gradscan is not None
+    total = max(threads * PARALLEL_MIN_BYTES // 4 + 7, max(cuts) + 1)
+    buffer = torch.zeros(total)
+    edges = sorted({0, total, *cuts})
+    spans = [buffer[a:b] for a, b in itertools.pairwise(edges)]
+    share = total // threads
+    places = [m % total for m in marks]
+    if edge is not None:  # the last element before every share's edge, or the first after it
+        places += [share * k + edge for k in range(1, threads)] + ([total - 1] if edge else [])
+    buffer[places] = math.nan
+    expected = sorted({i for i, (a, b) in enumerate(itertools.pairwise(edges))
+                       if any(a <= p < b for p in places)})
+    addresses, lengths = [t.data_ptr() for t in spans], [t.nbytes for t in spans]
+    assert expected == scan(2, addresses, lengths, threads)
+    assert threads == autograd_nonfinite._gradscan.last_threads()  # the team ran it, not one thread
+    assert expected == scan(2, addresses, lengths, 1)
+    assert 1 == autograd_nonfinite._gradscan.last_threads()
+
+
+@needs_team
+def test_small_scans_stay_on_the_calling_thread_and_a_failed_lookup_keeps_the_team() -> None:
+    gradscan = autograd_nonfinite._gradscan
+    assert gradscan is not None
+    small, large = torch.zeros(2 * PARALLEL_MIN_BYTES // 4 - 1), torch.zeros(2 * PARALLEL_MIN_BYTES // 4)
+    assert [] == gradscan.nonfinite(2, [small.data_ptr()], [small.nbytes], 2)
+    assert 1 == gradscan.last_threads()  # waking the team would cost more than the split saves
+    # A library that is not loaded, or one without an OpenMP runtime: refused, and nothing changes.
+    assert gradscan.use_openmp("/nonexistent/libgomp.so.1") is False
+    assert gradscan.use_openmp(gradscan.__file__) is False
+    assert [] == gradscan.nonfinite(2, [large.data_ptr()], [large.nbytes], 2)
+    assert 2 == gradscan.last_threads()
+
+
+@needs_team
+def test_the_check_scans_on_as_many_threads_as_torch_uses() -> None:
+    gradscan = autograd_nonfinite._gradscan
+    assert gradscan is not None
+    param = torch.nn.Parameter(torch.zeros(1 << 20))
+    param.grad = torch.zeros(1 << 20)
+    check = GradCheck(max_pending=4, norms=False)
+    check.track(param)
+    saved = torch.get_num_threads()
+    try:
+        for index, threads in enumerate((2, 1, 3)):
+            torch.set_num_threads(threads)
+            check.launch(index, "backward")
+            assert threads == gradscan.last_threads()
+            assert f"(last scan: {threads} threads)" in check.cpu_reader
+    finally:
+        torch.set_num_threads(saved)
+    assert [1, 1, 1] == [r.checked for r in check.poll()]
 
 
 @needs_scan

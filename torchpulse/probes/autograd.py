@@ -38,7 +38,7 @@ from torchpulse.probes.autograd_nodes import (
     iter_graph,
     roots_of,
 )
-from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
+from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge, scan_limits
 from torchpulse.probes.base import Probe
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
@@ -164,6 +164,7 @@ class AutogradProbe(Probe):
             "sample_every": self._sample_every,
             "logging_passes_left": self._log_left,
             "parameters_checked": self._check.known,
+            "cpu_gradient_reader": self._check.cpu_reader,
             "last_sampled_pass": None if sample is None else {
                 "pass_index": sample.pass_index, "kind": sample.kind, "seconds": sample.seconds,
                 "node_seconds": sample.node_seconds,
@@ -188,6 +189,9 @@ class AutogradProbe(Probe):
 
             for feature in tf.missing("dispatch_modes_aside"):
                 log.warning("autograd probe runs without a torch feature", feature=feature.name, reason=feature.reason)
+            limits = None if self.config.grad_norm else scan_limits()
+            if limits is not None:
+                log.info("autograd probe reads CPU gradients the slower way", reason=limits)
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
         self._start_counters_at_zero()

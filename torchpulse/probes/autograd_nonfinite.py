@@ -11,8 +11,10 @@ On CPU the check runs on the training thread and costs one read of every
 gradient. Where the global norm is not wanted (`autograd_grad_norm` off, the
 default), dense CPU gradients are scanned by the C module `_gradscan` instead: it
 tests exponent bits at the speed memory delivers them, about a third faster than
-`_foreach_norm`, which squares and adds every element. Without that module (no
-compiler at install time) `_foreach_norm` does it.
+`_foreach_norm`, which squares and adds every element. Where torch runs its kernels
+on an OpenMP team of more than one thread, the scan splits across that team (one
+core alone reads at a fraction of what memory delivers to several). Without that
+module (no compiler at install time) `_foreach_norm` does it.
 
 The converse needs care: squares of float32 values overflow above ~1.8e19, so a
 finite gradient can have an infinite float32 norm. On CUDA the norms accumulate
@@ -40,7 +42,12 @@ ParamRef = weakref.ReferenceType[torch.Tensor]
 
 # None where it was not built (no compiler at install time): `_foreach_norm` then reads CPU gradients too.
 _gradscan = optional_module("torchpulse.probes._gradscan")
-Scanner = Callable[[int, list[int], list[int]], list[int]]  # _gradscan.nonfinite
+Scanner = Callable[[int, list[int], list[int], int], list[int]]  # _gradscan.nonfinite
+# Whether scans can run on torch's own OpenMP team, found through torch's extension module (torch
+# builds for Linux and macOS use OpenMP; others run each scan on the training thread).
+_TORCH_HAS_OPENMP = bool(torch.backends.openmp.is_available())  # type: ignore[no-untyped-call]
+_SCAN_ON_TEAM: bool = (_gradscan is not None and _TORCH_HAS_OPENMP
+                       and _gradscan.use_openmp(getattr(torch._C, "__file__", "")))
 
 
 # dtype -> (the scanner's format code, bytes per element). Complex dtypes are scanned as their
@@ -49,6 +56,17 @@ _SCAN_FORMATS: dict[torch.dtype, tuple[int, int]] = {
     torch.float16: (0, 2), torch.bfloat16: (1, 2), torch.float32: (2, 4), torch.float64: (3, 8),
     torch.complex32: (0, 4), torch.complex64: (2, 8), torch.complex128: (3, 16),
 }
+
+
+def scan_limits() -> str | None:
+    """Why CPU gradients are read more slowly than this build could, or None where nothing is missing."""
+    if _gradscan is None:
+        return "the C module _gradscan was not built (no compiler at install time): torch._foreach_norm reads them"
+    if not _TORCH_HAS_OPENMP:
+        return "torch was built without OpenMP: the scan runs on the training thread alone"
+    if not _SCAN_ON_TEAM:
+        return "torch's OpenMP runtime was not found through torch._C: the scan runs on the training thread alone"
+    return None
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,15 @@ class GradCheck:
     def known(self) -> int:
         return len(self._refs)
 
+    @property
+    def cpu_reader(self) -> str:
+        """How CPU gradients are read, for `torchpulse status` (device gradients: `_foreach_norm`)."""
+        if self._scan is None or _gradscan is None:
+            return "foreach_norm"
+        if not _SCAN_ON_TEAM:
+            return "scan on the training thread"
+        return f"scan on torch's OpenMP team (last scan: {_gradscan.last_threads()} threads)"
+
     def track(self, param: torch.Tensor) -> None:
         """Remember a parameter seen as an AccumulateGrad variable (weakly: models come and go)."""
         key = id(param)
@@ -170,6 +197,7 @@ class GradCheck:
         scans: dict[int, _Scan] = {}
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
         scannable = _SCAN_FORMATS if self._scan is not None else {}
+        plain, strided = torch.Tensor, torch.strided  # locals: this loop runs cold after every pass
         for ref in self._refs:
             param = ref()
             if param is None:
@@ -178,8 +206,8 @@ class GradCheck:
             if grad is None:
                 continue
             spec = scannable.get(grad.dtype)  # (format code, bytes per element)
-            if (spec is not None and type(grad) is torch.Tensor and grad.is_cpu
-                    and grad.layout == torch.strided and grad.is_contiguous()):
+            if (spec is not None and type(grad) is plain and grad.is_cpu
+                    and grad.layout is strided and grad.is_contiguous()):
                 nbytes = grad.nbytes
                 # The scan reads raw memory, so only what the storage still holds. FSDP frees the
                 # storage under views of it (see `_readable`), and the view keeps its old address.
@@ -198,8 +226,10 @@ class GradCheck:
                 refs.append(ref)
                 grads.append(readable)
         if scans and self._scan is not None:
+            # As many threads as torch's kernels use: the job's setting, read each pass (it may change).
+            threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
             for code, scan in scans.items():
-                found = tuple(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths))
+                found = tuple(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths, threads))
                 self._enqueue(_Done(CheckResult(pass_index, kind, len(scan.refs), found, math.nan)))
         if groups:
             # The job's dispatch modes (FlopCounterMode, DebugMode, a memory tracker) must record its ops only.
@@ -216,12 +246,15 @@ class GradCheck:
     def poll(self) -> list[CheckResult]:
         """Checks whose results reached the host, oldest first; never waits."""
         results: list[CheckResult] = []
-        if not self._pending:
-            return results
+        pending = self._pending
         try:
-            with tf.dispatch_modes_aside():
-                while self._pending[0].ready():
-                    results.append(self._pending.popleft().read())
+            # Scans answered on the host need no reading back (and on CPU they are all there is).
+            while pending and type(pending[0]) is _Done:
+                results.append(pending.popleft().read())
+            if pending:
+                with tf.dispatch_modes_aside():
+                    while pending[0].ready():
+                        results.append(pending.popleft().read())
         except IndexError:
             pass  # empty, or another thread's pass (two backward threads) took the last one
         return results
