@@ -175,6 +175,16 @@ def test_stale_metadata_needs_a_metadata_file() -> None:
     assert [] == commit.stale_metadata(ckpt)
 
 
+def test_the_referenced_files_follow_the_storage_entries_through_replace() -> None:
+    """Three rules read `referenced_paths`: a checkpoint rebuilt with other storage must not keep the old set."""
+    ckpt = checkpoint([tensor("w", (2,))])
+    assert {ckpt.storage[0].relative_path} == ckpt.referenced_paths
+    moved = replace(ckpt, storage=(ckpt.storage[0]._replace(relative_path="gone.distcp"),))
+    assert frozenset({"gone.distcp"}) == moved.referenced_paths
+    assert ["TP-CKPT-005"] == rules(commit.missing_files(moved))
+    assert ["TP-CKPT-008"] == rules(commit.unreferenced_files(moved))
+
+
 def test_items_past_eof_and_overlapping() -> None:
     """Items must lie inside their file and must not share bytes."""
     storage = [
@@ -307,8 +317,7 @@ def test_layout_rules_fast_paths_agree_with_the_exact_walks(
     ckpt = checkpoint(tensors, storage, {"f": FileInfo("f", 60, 50), "g": FileInfo("g", 8, 50)},
                       bytes_keys=frozenset(bytes_keys))
     if per_rank:
-        ckpt = Checkpoint(**{**{f: getattr(ckpt, f) for f in ckpt.__dataclass_fields__},
-                             "metadata_files": (FileInfo("__0.metadata", 1, 100), FileInfo("__1.metadata", 1, 100))})
+        ckpt = replace(ckpt, metadata_files=(FileInfo("__0.metadata", 1, 100), FileInfo("__1.metadata", 1, 100)))
     assert commit._items_past_eof_exact(ckpt) == commit.items_past_eof(ckpt)
     assert commit._overlapping_items_exact(ckpt) == commit.overlapping_items(ckpt)
     assert commit._chunks_without_storage_exact(ckpt) == commit.chunks_without_storage(ckpt)

@@ -67,7 +67,7 @@ def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
         # no metadata to be older than its files, and time 0 would flag every one of them.
         return []
     committed_at = ckpt.metadata_mtime_ns
-    referenced = set(map(_path, ckpt.storage))
+    referenced = ckpt.referenced_paths
     # Timestamps are all this rule has, and a copy that does not keep them (cp without -p,
     # rsync without -t, most object-store downloads) can order a pristine checkpoint's files
     # either way: the message names that cause too, so nobody throws away a good copy unasked.
@@ -86,7 +86,7 @@ def stale_metadata(ckpt: Checkpoint) -> list[Finding]:
 
 def missing_files(ckpt: Checkpoint) -> list[Finding]:
     """TP-CKPT-005: every file the storage entries name exists."""
-    if set(map(_path, ckpt.storage)) <= ckpt.files.keys():
+    if ckpt.referenced_paths <= ckpt.files.keys():
         return []
     counts: dict[str, int] = defaultdict(int)
     for s in ckpt.storage:
@@ -166,7 +166,7 @@ def unreferenced_files(ckpt: Checkpoint) -> list[Finding]:
     every rank, so a rank left with nothing to write (all of a replicated state
     deduplicated to rank 0, `full_state_dict` saves) leaves a 0-byte file no item names.
     """
-    referenced = set(map(_path, ckpt.storage))
+    referenced = ckpt.referenced_paths
     return [
         warning("TP-CKPT-008", name, "data file not referenced by the metadata")
         for name, info in sorted(ckpt.files.items())
