@@ -220,9 +220,7 @@ def main() -> int:
         for name in names[shift:] + names[:shift]:
             run(name)
 
-    reader = "torch._foreach_norm (_gradscan not built)" if _gradscan is None else (
-        "the C scan (_gradscan), on torch's OpenMP threads" if _SCAN_ON_TEAM else "the C scan (_gradscan)")
-    print(f"gradients read by {reader}")
+    print(f"CPU gradients read by the default check: {default_probe.status()['cpu_gradient_reader']}")
     print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
           f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
           f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU")
