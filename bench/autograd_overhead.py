@@ -80,13 +80,26 @@ class _TorchDebugLogging(AbstractContextManager[None]):
 
 
 class SelfTime:
-    """Time spent inside the probe's pass wrapper (outside the engine) and drain, by `clock`."""
+    """Time spent inside the probe's pass wrapper (outside the engine) and drain, by `clock`, and
+    inside the gradient check's C hooks (in the engine; each times its own scans by that clock)."""
 
     def __init__(self, probe: AutogradProbe, clock: Callable[[], float]) -> None:
-        self.seconds = 0.0
+        self.outside = 0.0
         self.clock = clock
+        self.check = probe._check
         for attr in ("_begin", "_end"):
             setattr(probe, attr, self._timed(getattr(probe, attr)))
+
+    def restart(self) -> None:
+        """From zero, after the warm-up (whose first passes place the hooks)."""
+        self.outside = 0.0
+        for hook in self.check._hook_for.values():
+            hook.clock = 1 if self.clock is time.thread_time else 2
+            hook.seconds = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.outside + float(sum(hook.seconds for hook in self.check._hook_for.values()))
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
@@ -94,7 +107,7 @@ class SelfTime:
             try:
                 return fn(*args)
             finally:
-                self.seconds += self.clock() - start
+                self.outside += self.clock() - start
 
         return timed
 
@@ -200,7 +213,7 @@ def main() -> int:
             if agent is not None:
                 drain_start = clock()
                 agent.drain()
-                self_times[name].seconds += clock() - drain_start
+                self_times[name].outside += clock() - drain_start
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.thread_time() - start_cpu)
         if probe is not None:
@@ -213,7 +226,7 @@ def main() -> int:
         for values in times.values():
             values.clear()
     for self_time in self_times.values():
-        self_time.seconds = 0.0
+        self_time.restart()
     read_seconds = 0.0
     for round_index in range(args.rounds):
         shift = round_index % len(names)
@@ -229,7 +242,7 @@ def main() -> int:
     steps = wall if args.threads > 1 else cpu  # by the clock the probe's work was timed with
     off_total = sum(steps["off"])
     for name, self_time in self_times.items():
-        print(f"{name}: probe self time (wrapper outside the engine + drain; node hooks excluded) "
+        print(f"{name}: probe self time (wrapper outside the engine + drain + C hooks' scans; node hooks excluded) "
               f"= {self_time.seconds / off_total:.4%} of the off step's {clock_name}")
     # A timed pass (1 in sample_every by default) also runs node hooks inside the engine: its
     # extra cost is what every_pass adds over default on each pass, spread over the period.

@@ -16,6 +16,14 @@ on an OpenMP team of more than one thread, the scan splits across that team (one
 core alone reads at a fraction of what memory delivers to several). Without that
 module (no compiler at install time) `_foreach_norm` does it.
 
+Better still, a CPU parameter's gradient is scanned by a C hook (`_gradscan.Hook`,
+a post-accumulate-grad hook) the moment the engine has accumulated it, while much
+of it is still in cache; the end of the pass then only confirms that the gradient
+is the one scanned. Not where something may rewrite gradients after that hook:
+torch.distributed (DDP all-reduces them in place at the end of the pass), compiled
+autograd (it would trace the hook into its graph), or a job's own post-accumulate
+hook registered after ours (ours is moved behind it for the next pass).
+
 The converse needs care: squares of float32 values overflow above ~1.8e19, so a
 finite gradient can have an infinite float32 norm. On CUDA the norms accumulate
 in float64 (the reduction is bound by memory bandwidth, so this costs nothing
@@ -25,23 +33,29 @@ norm is computed again in float64 (on CPU a float64 reduction costs 1.6-3.7x).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchpulse.c_modules import optional_module
 from torchpulse.probes import torch_features as tf
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
 ParamRef = weakref.ReferenceType[torch.Tensor]
 
 
 # None where it was not built (no compiler at install time): `_foreach_norm` then reads CPU gradients too.
 _gradscan = optional_module("torchpulse.probes._gradscan")
+if _gradscan is not None:
+    _gradscan.configure(torch.Tensor, torch.strided)  # what it may read raw: plain strided tensors
 Scanner = Callable[[int, list[int], list[int], int], list[int]]  # _gradscan.nonfinite
 # Whether scans can run on torch's own OpenMP team, found through torch's extension module (torch
 # builds for Linux and macOS use OpenMP; others run each scan on the training thread).
@@ -122,6 +136,12 @@ class _Scan:
 class GradCheck:
     """Known parameters (weakly held) and the checks still in flight."""
 
+    # Smallest gradient scanned by a hook during the pass: a hook's torch calls cost more in the
+    # middle of a pass than the same checks after it, which only a big gradient read in cache repays.
+    # The probe's time per pass on the benchmark model (bench/autograd_overhead.py, one thread):
+    # 723-756 µs from 256 KiB, 748-752 from 512 KiB, 777-783 from 1 MiB, 825-827 without hooks.
+    hook_min_bytes = 256 * 1024
+
     def __init__(self, max_pending: int, norms: bool = True) -> None:
         self._refs: list[ParamRef] = []
         # id -> the reference tracking it: a dead parameter's id is soon reused (a rebuilt model's
@@ -139,6 +159,13 @@ class GradCheck:
         self._max_pending = max_pending
         # The CPU scan answers finite or not, without a norm: used only where no norm is wanted.
         self._scan: Scanner | None = None if norms or _gradscan is None else _gradscan.nonfinite
+        # Scanning during the pass (see the module's docstring): one C hook per dtype, the parameters
+        # hooked (id -> the reference tracked and the handle), and what the hooks found this pass.
+        self._hooking = self._scan is not None
+        self._hook_for: dict[torch.dtype, Any] = {}
+        self._hooked: dict[int, tuple[ParamRef, RemovableHandle]] = {}
+        self._hooks_stale = False  # parameters tracked since the hooks were last placed
+        self._answers: dict[int, tuple[torch.Tensor, bool]] = {}
         self.dropped = 0
         # Set when a tracked nn.Parameter dies: its model was dropped, most likely for a
         # rebuilt one whose parameters the next pass should look for (the caller resets it).
@@ -153,9 +180,10 @@ class GradCheck:
         """How CPU gradients are read, for `torchpulse status` (device gradients: `_foreach_norm`)."""
         if self._scan is None or _gradscan is None:
             return "foreach_norm"
+        where = "during the pass" if self._hooked else "after the pass"
         if not _SCAN_ON_TEAM:
-            return "scan on the training thread"
-        return f"scan on torch's OpenMP team (last scan: {_gradscan.last_threads()} threads)"
+            return f"scan on the training thread, {where}"
+        return f"scan on torch's OpenMP team (last scan: {_gradscan.last_threads()} threads), {where}"
 
     def track(self, param: torch.Tensor) -> None:
         """Remember a parameter seen as an AccumulateGrad variable (weakly: models come and go)."""
@@ -168,6 +196,7 @@ class GradCheck:
             ref: ParamRef = weakref.ref(param, self._on_lost if is_parameter else self._on_death)
             (self._refs if is_parameter else self._found).append(ref)
             self._known[key] = ref
+            self._hooks_stale = self._hooking
 
     def _on_death(self, _ref: ParamRef) -> None:
         self._deaths += 1
@@ -181,6 +210,7 @@ class GradCheck:
         self._deaths = 0
         if self._waiting:
             self._refs.extend(self._waiting)
+            self._hooks_stale = self._hooking
         self._waiting, self._found = self._found, []
         self._refs = [ref for ref in self._refs if ref() is not None]
         known: dict[int, ParamRef] = {}
@@ -190,6 +220,96 @@ class GradCheck:
                 known[id(tensor)] = ref
         self._known = known
 
+    # -- scanning during the pass (training thread, between passes or at a pass's start) --------------
+    def arm(self) -> None:
+        """Let the hooks scan the gradients the pass about to run accumulates."""
+        self._answers.clear()
+        if not self._hooking:
+            return
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.stop_hooking()  # DDP and FSDP write gradients after they are accumulated
+            return
+        if self._hooks_stale:
+            self._place_hooks()
+        threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
+        for hook in self._hook_for.values():
+            hook.threads = threads
+            hook.armed = 1
+
+    def disarm(self) -> None:
+        """Between passes the hooks do nothing, and no gradient is held for them."""
+        for hook in self._hook_for.values():
+            hook.armed = 0
+        self._answers.clear()
+
+    def stop_hooking(self) -> None:
+        """Read gradients after the pass from now on (compiled autograd, torch.distributed)."""
+        self._hooking = False
+        self.unhook()
+
+    def unhook(self) -> None:
+        """Remove every hook placed; not while torch runs those hooks (the caller makes sure)."""
+        self.disarm()
+        hooked, self._hooked = self._hooked, {}
+        for _ref, handle in hooked.values():
+            handle.remove()
+        self._hooks_stale = self._hooking
+
+    def remove(self) -> None:
+        """For the probe's uninstall (which knows when torch allows it): remove the hooks placed."""
+        self.unhook()
+
+    def _place_hooks(self) -> None:
+        self._hooks_stale = False
+        hooked = self._hooked
+        for key in [key for key, (ref, _handle) in hooked.items() if ref() is None]:
+            del hooked[key]
+        for ref in self._refs:
+            param = ref()
+            if param is None:
+                continue
+            placed = hooked.get(id(param))
+            if placed is not None:
+                if placed[0] is ref:
+                    continue
+                placed[1].remove()  # tracked anew (after a re-install): one hook per parameter
+                del hooked[id(param)]
+            hook = self._hook(param)
+            # RuntimeError: it no longer requires grad; a gradient it has is read after the pass.
+            with contextlib.suppress(RuntimeError):
+                if hook is not None:
+                    handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                    hooked[id(param)] = (ref, handle)
+
+    def _hook(self, param: torch.Tensor) -> Any:
+        """The C hook for this parameter's dtype, or None where its gradient must be read after the pass."""
+        spec = _SCAN_FORMATS.get(param.dtype)
+        if (spec is None or _gradscan is None or not param.is_cpu or param.layout is not torch.strided
+                or type(param) not in (torch.nn.Parameter, torch.Tensor) or param.nbytes < self.hook_min_bytes):
+            return None
+        hook = self._hook_for.get(param.dtype)
+        if hook is None:
+            hook = self._hook_for[param.dtype] = _gradscan.Hook(spec[0], spec[1], param.dtype, self._answers)
+        return hook
+
+    def _answered(self, param: torch.Tensor, grad: torch.Tensor) -> bool | None:
+        """Whether a hook found this gradient non-finite during the pass; None where it did not scan it."""
+        answer = self._answers.get(id(param))
+        if answer is None or answer[0] is not grad:
+            return None
+        hooks: dict[int, Any] | None = param._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 1:
+            # The job's own hook ran after ours and may have changed the gradient: put ours last.
+            # torch runs them in the order of the plain dict under its OrderedDict (PyDict_Values),
+            # which OrderedDict.move_to_end leaves as it was: remove and insert again.
+            placed = self._hooked.get(id(param))
+            if placed is None:
+                return None
+            if next(reversed(dict.keys(hooks))) != placed[1].id:
+                hooks[placed[1].id] = hooks.pop(placed[1].id)
+                return None
+        return answer[1]
+
     def launch(self, pass_index: int, kind: str) -> None:
         """Queue the check of every known parameter that has a gradient: scanned or reduced."""
         if self._deaths or self._waiting or self._found:
@@ -197,7 +317,9 @@ class GradCheck:
         scans: dict[int, _Scan] = {}
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
         scannable = _SCAN_FORMATS if self._scan is not None else {}
-        plain, strided = torch.Tensor, torch.strided  # locals: this loop runs cold after every pass
+        answered: list[ParamRef] = []  # scanned by a hook during the pass
+        answered_nonfinite: list[ParamRef] = []
+        answers = self._answers
         for ref in self._refs:
             param = ref()
             if param is None:
@@ -205,26 +327,35 @@ class GradCheck:
             grad = param.grad
             if grad is None:
                 continue
-            spec = scannable.get(grad.dtype)  # (format code, bytes per element)
-            if (spec is not None and type(grad) is plain and grad.is_cpu
-                    and grad.layout is strided and grad.is_contiguous()):
-                nbytes = grad.nbytes
-                # The scan reads raw memory, so only what the storage still holds. FSDP frees the
-                # storage under views of it (see `_readable`), and the view keeps its old address.
-                if grad.storage_offset() * spec[1] + nbytes > grad.untyped_storage().nbytes():
+            if answers:
+                nonfinite = self._answered(param, grad)
+                if nonfinite is not None:
+                    answered.append(ref)
+                    if nonfinite:
+                        answered_nonfinite.append(ref)
                     continue
-                scan = scans.get(spec[0])
+            spec = scannable.get(grad.dtype)  # (format code, bytes per element)
+            # Raw reads only of what the storage still holds: FSDP frees the storage under views
+            # of it (see `_readable`), and the view keeps its old address.
+            span = None if spec is None or _gradscan is None else _gradscan.dense_span(grad, spec[1])
+            if span is not None:
+                if not span[2]:
+                    continue
+                scan = scans.get(spec[0])  # type: ignore[index]
                 if scan is None:
-                    scan = scans[spec[0]] = _Scan()
+                    scan = scans[spec[0]] = _Scan()  # type: ignore[index]
                 scan.refs.append(ref)
-                scan.addresses.append(grad.data_ptr())
-                scan.lengths.append(nbytes)
+                scan.addresses.append(span[0])
+                scan.lengths.append(span[1])
                 continue
             readable = _readable(grad)
             if readable is not None:
                 refs, grads = groups.setdefault((readable.device, readable.dtype), ([], []))
                 refs.append(ref)
                 grads.append(readable)
+        answers.clear()  # the gradients it holds are the job's to free
+        if answered:
+            self._enqueue(_Done(CheckResult(pass_index, kind, len(answered), tuple(answered_nonfinite), math.nan)))
         if scans and self._scan is not None:
             # As many threads as torch's kernels use: the job's setting, read each pass (it may change).
             threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
@@ -260,6 +391,9 @@ class GradCheck:
         return results
 
     def clear(self) -> None:
+        """Forget everything but the hooks placed: `unhook` removes those, where torch allows."""
+        self.disarm()
+        self._hooking = self._scan is not None
         self._refs = []
         self._known = {}
         self._found = []
