@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,14 @@ from tests.probes.autograd_support import autograd_agent, events, tiny_transform
 from torchpulse.probes.autograd_nonfinite import _gradscan
 
 pytestmark = pytest.mark.skipif(_gradscan is None, reason="the C module _gradscan was not built")
+
+
+@contextmanager
+def hooking_every_gradient() -> Iterator[Any]:
+    """An autograd agent whose check hooks every gradient: the tiny models' are all small."""
+    with autograd_agent() as agent:
+        agent.probes["autograd"]._check.hook_min_bytes = 0
+        yield agent
 
 
 def _ours(param: torch.Tensor) -> list[Any]:
@@ -143,8 +152,7 @@ def test_hooks_leave_with_the_probe_and_do_nothing_while_it_is_switched_off() ->
 
 
 def test_the_hooks_keep_no_gradient_alive_after_the_pass() -> None:
-    with autograd_agent() as agent:
-        agent.probes["autograd"]._check.hook_min_bytes = 0
+    with hooking_every_gradient() as agent:
         model = torch.nn.Linear(64, 64)
         for _ in range(3):
             model(torch.randn(2, 64)).sum().backward()
@@ -180,8 +188,7 @@ def test_a_model_cast_in_place_is_still_read_right() -> None:
 def test_compiled_autograd_passes_find_no_hook_and_are_still_checked() -> None:
     from torch._dynamo import compiled_autograd
 
-    with autograd_agent() as agent:
-        agent.probes["autograd"]._check.hook_min_bytes = 0
+    with hooking_every_gradient() as agent:
         model = torch.nn.Linear(4, 1)
         for _ in range(2):
             model(torch.randn(3, 4)).sum().backward()
@@ -203,8 +210,7 @@ def test_under_torch_distributed_gradients_are_read_after_the_pass(tmp_path: Pat
     """DDP all-reduces gradients in place after they are accumulated: a real gloo group of one."""
     import torch.distributed as dist
 
-    with autograd_agent() as agent:
-        agent.probes["autograd"]._check.hook_min_bytes = 0
+    with hooking_every_gradient() as agent:
         model = torch.nn.Linear(4, 1)
         for _ in range(2):
             model(torch.randn(3, 4)).sum().backward()
