@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import median_interval
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.autograd import AutogradProbe
-from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _SCAN_ON_TEAM, _gradscan
+from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _gradscan, scan_threads
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.identity import current_identity
 
@@ -137,8 +137,7 @@ def make_step(clock: Callable[[], float]) -> Callable[[bool], float]:
             torch.stack(torch._foreach_norm(grads)).tolist()
         else:
             float32 = _SCAN_FORMATS[torch.float32][0]
-            threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
-            _gradscan.nonfinite(float32, [g.data_ptr() for g in grads], [g.nbytes for g in grads], threads)
+            _gradscan.nonfinite(float32, [g.data_ptr() for g in grads], [g.nbytes for g in grads], scan_threads())
 
     def step(read_grads: bool = False) -> float:
         """One training step; with read_grads, returns the time of that read by `clock`."""

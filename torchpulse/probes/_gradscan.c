@@ -426,7 +426,6 @@ static PyMemberDef Hook_members[] = {
     {"threads", T_INT, offsetof(Hook, threads), 0, "threads of the OpenMP team a scan may use"},
     {"clock", T_INT, offsetof(Hook, clock), 0, "for benchmarks: 0 off, 1 thread CPU time, 2 wall clock"},
     {"seconds", T_DOUBLE, offsetof(Hook, seconds), 0, "time spent while armed, by that clock"},
-    {"answers", T_OBJECT, offsetof(Hook, answers), READONLY, "id(parameter) -> (gradient, holds NaN/Inf)"},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -72,6 +72,11 @@ _SCAN_FORMATS: dict[torch.dtype, tuple[int, int]] = {
 }
 
 
+def scan_threads() -> int:
+    """Threads a scan may use: as many as torch's kernels, the job's setting, read each pass (it may change)."""
+    return torch.get_num_threads() if _SCAN_ON_TEAM else 1
+
+
 def scan_limits() -> str | None:
     """Why CPU gradients are read more slowly than this build could, or None where nothing is missing."""
     if _gradscan is None:
@@ -231,7 +236,7 @@ class GradCheck:
             return
         if self._hooks_stale:
             self._place_hooks()
-        threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
+        threads = scan_threads()
         for hook in self._hook_for.values():
             hook.threads = threads
             hook.armed = 1
@@ -245,19 +250,16 @@ class GradCheck:
     def stop_hooking(self) -> None:
         """Read gradients after the pass from now on (compiled autograd, torch.distributed)."""
         self._hooking = False
-        self.unhook()
+        self.remove()
 
-    def unhook(self) -> None:
-        """Remove every hook placed; not while torch runs those hooks (the caller makes sure)."""
+    def remove(self) -> None:
+        """Remove every hook placed; not while torch runs those hooks (the caller makes sure: the
+        probe's uninstall, through `_keep`, or a pass's start)."""
         self.disarm()
         hooked, self._hooked = self._hooked, {}
         for _ref, handle in hooked.values():
             handle.remove()
         self._hooks_stale = self._hooking
-
-    def remove(self) -> None:
-        """For the probe's uninstall (which knows when torch allows it): remove the hooks placed."""
-        self.unhook()
 
     def _place_hooks(self) -> None:
         self._hooks_stale = False
@@ -275,11 +277,12 @@ class GradCheck:
                 placed[1].remove()  # tracked anew (after a re-install): one hook per parameter
                 del hooked[id(param)]
             hook = self._hook(param)
+            if hook is None:
+                continue
             # RuntimeError: it no longer requires grad; a gradient it has is read after the pass.
             with contextlib.suppress(RuntimeError):
-                if hook is not None:
-                    handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-                    hooked[id(param)] = (ref, handle)
+                handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                hooked[id(param)] = (ref, handle)
 
     def _hook(self, param: torch.Tensor) -> Any:
         """The C hook for this parameter's dtype, or None where its gradient must be read after the pass."""
@@ -335,18 +338,17 @@ class GradCheck:
                         answered_nonfinite.append(ref)
                     continue
             spec = scannable.get(grad.dtype)  # (format code, bytes per element)
-            # Raw reads only of what the storage still holds: FSDP frees the storage under views
-            # of it (see `_readable`), and the view keeps its old address.
             span = None if spec is None or _gradscan is None else _gradscan.dense_span(grad, spec[1])
-            if span is not None:
-                if not span[2]:
-                    continue
-                scan = scans.get(spec[0])  # type: ignore[index]
-                if scan is None:
-                    scan = scans[spec[0]] = _Scan()  # type: ignore[index]
-                scan.refs.append(ref)
-                scan.addresses.append(span[0])
-                scan.lengths.append(span[1])
+            if spec is not None and span is not None:
+                # Raw reads only of what the storage still holds (span[2]): FSDP frees the storage
+                # under views of it (see `_readable`), and the view keeps its old address.
+                if span[2]:
+                    scan = scans.get(spec[0])
+                    if scan is None:
+                        scan = scans[spec[0]] = _Scan()
+                    scan.refs.append(ref)
+                    scan.addresses.append(span[0])
+                    scan.lengths.append(span[1])
                 continue
             readable = _readable(grad)
             if readable is not None:
@@ -357,8 +359,7 @@ class GradCheck:
         if answered:
             self._enqueue(_Done(CheckResult(pass_index, kind, len(answered), tuple(answered_nonfinite), math.nan)))
         if scans and self._scan is not None:
-            # As many threads as torch's kernels use: the job's setting, read each pass (it may change).
-            threads = torch.get_num_threads() if _SCAN_ON_TEAM else 1
+            threads = scan_threads()
             for code, scan in scans.items():
                 found = tuple(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths, threads))
                 self._enqueue(_Done(CheckResult(pass_index, kind, len(scan.refs), found, math.nan)))
@@ -391,7 +392,7 @@ class GradCheck:
         return results
 
     def clear(self) -> None:
-        """Forget everything but the hooks placed: `unhook` removes those, where torch allows."""
+        """Forget everything but the hooks placed: `remove` takes those out, where torch allows."""
         self.disarm()
         self._hooking = self._scan is not None
         self._refs = []
