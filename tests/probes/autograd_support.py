@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 
 from tests.support import local_agent
@@ -40,3 +41,21 @@ def node_values(agent: Any, family: str) -> dict[str, float]:
 
 def events(agent: Any, name: str) -> list[dict[str, Any]]:
     return [dict(e.fields) for e in [*agent._events, *agent._requested] if e.event == name]
+
+
+@contextmanager
+def span_reader(way: str) -> Iterator[None]:
+    """The C scan learns where tensors lie through torch's C shim ("shim") or its Python bindings
+    ("bindings") inside the block, and as before after it."""
+    from torchpulse.probes import autograd_nonfinite
+
+    module = autograd_nonfinite._gradscan
+    if module is None:
+        pytest.skip("the C module _gradscan was not built: torch reads every gradient")
+    assert way in ("shim", "bindings")
+    was_on = module.torch_shim_enabled()
+    module.use_torch_shim(autograd_nonfinite._shim_codes() if way == "shim" else None)
+    try:
+        yield
+    finally:
+        module.use_torch_shim(autograd_nonfinite._shim_codes() if was_on else None)

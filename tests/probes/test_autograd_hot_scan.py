@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
+from tests.probes.autograd_support import autograd_agent, events, span_reader, tiny_transformer
 from torchpulse.probes.autograd_nonfinite import _gradscan
 
 pytestmark = pytest.mark.skipif(_gradscan is None, reason="the C module _gradscan was not built")
@@ -71,16 +71,18 @@ POISON = {2: ["layers.0.linear1.weight"], 4: ["layers.1.self_attn.in_proj_weight
           5: ["layers.1.linear2.bias"], 7: ["layers.0.self_attn.out_proj.weight"]}
 
 
-def test_the_hooks_answer_the_same_as_the_scan_after_the_pass() -> None:
+@pytest.mark.parametrize("way", ["shim", "bindings"])
+def test_the_hooks_answer_the_same_as_the_scan_after_the_pass(way: str) -> None:
     """Every pass but the first (which finds the parameters) is answered by the hooks, and each
-    non-finite pass names the same parameters as a probe that reads only after the pass."""
-    with autograd_agent() as agent:
+    non-finite pass names the same parameters as a probe that reads only after the pass, whichever
+    way the C module learns where gradients lie."""
+    with span_reader(way), autograd_agent() as agent:
         answered = _answered_per_pass(agent)
         during = _run(agent, POISON)
         model_parameters = len(list(tiny_transformer().parameters()))
         assert [0] + [model_parameters] * 7 == answered
         assert agent.probes["autograd"].status()["cpu_gradient_reader"].endswith("during the pass")
-    with autograd_agent() as agent:
+    with span_reader(way), autograd_agent() as agent:
         agent.probes["autograd"]._check.stop_hooking()
         answered = _answered_per_pass(agent)
         after = _run(agent, POISON)

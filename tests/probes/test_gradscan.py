@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.probes.autograd_support import autograd_agent
+from tests.probes.autograd_support import autograd_agent, span_reader
 from torchpulse.probes import autograd_nonfinite
 from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, GradCheck
 
@@ -241,16 +241,19 @@ def _check(params: list[torch.nn.Parameter], *, norms: bool) -> autograd_nonfini
     return result
 
 
-def test_the_scan_and_the_norms_call_the_same_gradients_nonfinite() -> None:
+@pytest.mark.parametrize("way", ["shim", "bindings"])
+def test_the_scan_and_the_norms_call_the_same_gradients_nonfinite(way: str) -> None:
     params = _mixed_parameters()
-    by_norms, by_scan = _check(params, norms=True), _check(params, norms=False)
+    with span_reader(way):
+        by_norms, by_scan = _check(params, norms=True), _check(params, norms=False)
     expected = {id(p) for i, p in enumerate(params) if i % 2}
     assert expected == {id(ref()) for ref in by_norms.nonfinite} == {id(ref()) for ref in by_scan.nonfinite}
     assert len(params) == by_norms.checked == by_scan.checked
     assert math.isfinite(by_norms.norm) is False and math.isnan(by_scan.norm)  # no norm without the option
 
 
-def test_views_of_freed_or_shrunk_storage_are_not_read() -> None:
+@pytest.mark.parametrize("way", ["shim", "bindings"])
+def test_views_of_freed_or_shrunk_storage_are_not_read(way: str) -> None:
     """FSDP frees storage under views of it: a view whose storage no longer holds it has nothing to read
     (and reading its address would read freed memory)."""
     freed, shrunk = torch.nn.Parameter(torch.zeros(1024)), torch.nn.Parameter(torch.zeros(1024))
@@ -261,7 +264,8 @@ def test_views_of_freed_or_shrunk_storage_are_not_read() -> None:
     check = GradCheck(max_pending=4, norms=False)
     check.track(freed)
     check.track(shrunk)
-    check.launch(0, "backward")
+    with span_reader(way):
+        check.launch(0, "backward")
     assert [] == check.poll()  # nothing was read, so nothing was checked
 
 
@@ -301,3 +305,77 @@ def test_dead_parameters_are_pruned_once_they_die_and_not_before() -> None:
     check.launch(1, "backward")
     assert 2 == check.known and 2 == len(check._known)
     assert [3, 2] == [r.checked for r in autograd_nonfinite.merge(check.poll())]
+
+
+@needs_scan
+def test_torch_shim_tells_the_scan_where_tensors_lie_on_this_torch() -> None:
+    """torch 2.13 has the shim and it agrees with the bindings: the fast way is the one in use."""
+    assert autograd_nonfinite._gradscan is not None
+    assert autograd_nonfinite._gradscan.torch_shim_enabled(), autograd_nonfinite._SHIM_MISSING
+    assert autograd_nonfinite.scan_limits() is None
+
+
+@st.composite
+def _tensors(draw: st.DrawFn) -> torch.Tensor:
+    """A view of a CPU tensor: any dtype the scan reads or not, sliced, stepped, transposed or expanded."""
+    dtype = draw(st.sampled_from([d for d in _SCAN_FORMATS if d != torch.complex32] + [torch.int64, torch.bool]))
+    shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=3))
+    tensor = torch.zeros(shape, dtype=dtype)
+    for dim, size in enumerate(shape):
+        start = draw(st.integers(0, size))
+        tensor = tensor.narrow(dim, start, draw(st.integers(0, size - start)))
+        if draw(st.booleans()) and tensor.shape[dim] > 1:
+            tensor = tensor[(slice(None),) * dim + (slice(None, None, 2),)]
+    if tensor.dim() > 1 and draw(st.booleans()):
+        tensor = tensor.transpose(0, -1)
+    if draw(st.booleans()):
+        tensor = tensor.unsqueeze(0).expand(2, *tensor.shape)
+    return tensor
+
+
+@needs_scan
+@settings(max_examples=300, deadline=None)
+@given(_tensors())
+def test_the_shim_and_the_bindings_give_the_same_span_for_any_view(tensor: torch.Tensor) -> None:
+    module = autograd_nonfinite._gradscan
+    assert module is not None
+    with span_reader("shim"):
+        by_shim = module.dense_span(tensor)
+    with span_reader("bindings"):
+        by_bindings = module.dense_span(tensor)
+    assert by_shim == by_bindings
+    if by_shim is not None:  # only what is contiguous and of a scan dtype
+        assert tensor.is_contiguous() and tensor.dtype in _SCAN_FORMATS
+        # Held: whole in its storage (an empty view may start past the end of an empty storage).
+        held = tensor.storage_offset() * tensor.element_size() + tensor.nbytes <= tensor.untyped_storage().nbytes()
+        address = tensor.data_ptr() if held else 0
+        assert (_SCAN_FORMATS[tensor.dtype][0], address, tensor.nbytes, held) == by_shim
+    else:
+        assert not tensor.is_contiguous() or tensor.dtype not in _SCAN_FORMATS
+
+
+@needs_scan
+def test_a_shim_that_disagrees_or_is_missing_leaves_the_bindings_in_use(monkeypatch: Any) -> None:
+    module = autograd_nonfinite._gradscan
+    assert module is not None
+
+    class Lying:
+        """The real module, but its spans through the shim are one byte short."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(module, name)
+
+        def dense_span(self, tensor: torch.Tensor) -> Any:
+            span = module.dense_span(tensor)
+            return span if span is None or not module.torch_shim_enabled() else (*span[:2], span[2] - 1, span[3])
+
+    try:
+        monkeypatch.setattr(autograd_nonfinite, "_gradscan", Lying())
+        assert "disagrees" in (autograd_nonfinite._use_torch_shim() or "")
+        assert not module.torch_shim_enabled()
+        monkeypatch.setattr(torch._C, "__file__", "/nonexistent/_C.so")
+        assert "not found" in (autograd_nonfinite._use_torch_shim() or "")
+        assert not module.torch_shim_enabled()
+    finally:
+        monkeypatch.undo()
+        assert autograd_nonfinite._use_torch_shim() is None and module.torch_shim_enabled()

@@ -27,7 +27,9 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 #if defined(__unix__) || defined(__APPLE__)
@@ -231,21 +233,96 @@ static PyObject *use_openmp(PyObject *self, PyObject *arg) {
     Py_RETURN_FALSE;
 }
 
-/* torch.Tensor and torch.strided (see configure): only tensors of exactly that type and layout
- * are read raw, since a subclass such as DTensor keeps its data elsewhere. */
-static PyObject *tensor_type, *strided;
+/* What span_of accepts (see configure): tensors of exactly torch.Tensor's type (a subclass such as
+ * DTensor keeps its data elsewhere), strided, of a dtype in `formats` (dtype -> (format, itemsize)). */
+static PyObject *tensor_type, *strided, *formats;
 static PyObject *s_grad, *s_dtype, *s_is_cpu, *s_layout, *s_is_contiguous, *s_nbytes, *s_storage_offset,
-    *s_untyped_storage, *s_data_ptr;
+    *s_untyped_storage, *s_data_ptr, *s_post_accumulate_grad_hooks, *s_cdata;
 
-/* 1 with the span when `tensor` is a plain contiguous CPU tensor whose storage still holds all of
- * it; 2 when its storage no longer does (FSDP frees the storage under views of it, and a view
- * keeps its old address: nothing may read it); 0 for any other tensor; -1 with an exception set
- * when torch raised. */
-static int span_of(PyObject *tensor, size_t itemsize, const unsigned char **address, size_t *nbytes) {
-    if (tensor_type == NULL || (PyObject *)Py_TYPE(tensor) != tensor_type) return 0;
-    int ok = 0;
-    PyObject *is_cpu = NULL, *layout = NULL, *contiguous = NULL, *size = NULL, *offset = NULL,
+/* A dense CPU tensor that may be read raw: where, how long, and in which scan format. */
+typedef struct {
+    const unsigned char *address; /* NULL where not held */
+    size_t nbytes;
+    int held; /* 0 where its storage no longer holds all of it: nothing may read it */
+    int format;
+    size_t itemsize;
+} Span;
+
+/* Torch's stable C shim: the aoti_torch_* functions that AOTInductor's compiled models call, which
+ * torch keeps stable across releases. Their handle is an at::Tensor*, and an at::Tensor is one
+ * pointer to its TensorImpl, which a tensor's `_cdata` gives. A fact costs a short C call this
+ * way, against a call into torch's Python bindings, whose code is cold in the middle of a pass:
+ * per 8 big gradients of the benchmark model, 110-130 us against 185-200 us. That layout is not
+ * a promise, so the probe enables the shim only once it gave the same spans as the bindings for
+ * a set of sample tensors (use_torch_shim). */
+#define SHIM_DTYPES 64 /* c10::ScalarType codes below this; torch 2.13 has 45 */
+typedef int32_t (*ShimInt32)(void *, int32_t *);
+typedef int32_t (*ShimInt64)(void *, int64_t *);
+typedef int32_t (*ShimPointer)(void *, void **);
+typedef int32_t (*ShimBool)(void *, bool *);
+typedef int32_t (*ShimConstant)(void);
+static struct {
+    ShimInt32 dtype, device_type, layout;
+    ShimInt64 numel, storage_offset, storage_size;
+    ShimPointer data_ptr;
+    ShimBool is_contiguous;
+    int32_t cpu, strided;
+    void *library;                  /* where they were found */
+    int found;                      /* every function above resolved */
+    int enabled;                    /* span_of reads through them */
+    signed char format[SHIM_DTYPES]; /* by scalar type code: the scan format, or -1 */
+    size_t itemsize[SHIM_DTYPES];
+} shim;
+
+/* 1 and the span for a plain dense CPU tensor of a scan dtype (not held where its storage no longer
+ * holds all of it: FSDP frees the storage under views of it, and a view keeps its old address);
+ * 0 for any other tensor, and where a shim call failed (torch logs why; the caller then reads the
+ * tensor another way); -1 with an exception set where torch raised. */
+static int span_by_shim(PyObject *tensor, Span *span) {
+    PyObject *cdata = PyObject_GetAttr(tensor, s_cdata);
+    if (cdata == NULL) return -1;
+    void *impl = PyLong_AsVoidPtr(cdata); /* the tensor object keeps it alive */
+    Py_DECREF(cdata);
+    if (impl == NULL) return PyErr_Occurred() ? -1 : 0;
+    void *handle = &impl;
+    int32_t dtype, device, layout;
+    int64_t numel, offset, held;
+    bool contiguous;
+    if (shim.dtype(handle, &dtype) || shim.device_type(handle, &device) || shim.layout(handle, &layout)) return 0;
+    if (dtype < 0 || dtype >= SHIM_DTYPES || shim.format[dtype] < 0 || device != shim.cpu || layout != shim.strided)
+        return 0;
+    if (shim.is_contiguous(handle, &contiguous) || !contiguous) return 0;
+    if (shim.numel(handle, &numel) || shim.storage_offset(handle, &offset) || shim.storage_size(handle, &held))
+        return 0;
+    span->format = shim.format[dtype];
+    span->itemsize = shim.itemsize[dtype];
+    span->nbytes = numel > 0 ? (size_t)numel * span->itemsize : 0;
+    span->address = NULL;
+    span->held = numel >= 0 && offset >= 0 && held >= 0 && (size_t)offset * span->itemsize + span->nbytes <= (size_t)held;
+    void *data = NULL;
+    if (span->held && shim.data_ptr(handle, &data)) return 0;
+    span->address = data;
+    return 1;
+}
+
+static int span_by_bindings(PyObject *tensor, Span *span) {
+    int ok = -1;
+    PyObject *dtype = NULL, *is_cpu = NULL, *layout = NULL, *contiguous = NULL, *size = NULL, *offset = NULL,
              *storage = NULL, *held = NULL, *pointer = NULL;
+    if ((dtype = PyObject_GetAttr(tensor, s_dtype)) == NULL) goto done;
+    PyObject *spec = PyDict_GetItemWithError(formats, dtype); /* borrowed: (format, itemsize) */
+    Py_ssize_t itemsize;
+    if (spec == NULL) {
+        ok = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    if (!PyArg_ParseTuple(spec, "in", &span->format, &itemsize)) goto done;
+    if (span->format < F16 || span->format > F64 || itemsize <= 0 || (size_t)itemsize % WIDTH[span->format]) {
+        PyErr_Format(PyExc_ValueError, "format %d with %zd-byte elements", span->format, itemsize);
+        goto done;
+    }
+    span->itemsize = (size_t)itemsize;
+    ok = 0;
     if ((is_cpu = PyObject_GetAttr(tensor, s_is_cpu)) == NULL) goto fail;
     if (is_cpu != Py_True) goto done;
     if ((layout = PyObject_GetAttr(tensor, s_layout)) == NULL) goto fail;
@@ -261,13 +338,15 @@ static int span_of(PyObject *tensor, size_t itemsize, const unsigned char **addr
     Py_ssize_t n = PyLong_AsSsize_t(size), first = PyLong_AsSsize_t(offset), capacity = PyLong_AsSsize_t(held);
     const unsigned char *data = PyLong_AsVoidPtr(pointer);
     if (PyErr_Occurred()) goto fail;
-    *address = data;
-    *nbytes = n > 0 ? (size_t)n : 0;
-    ok = n >= 0 && first >= 0 && capacity >= 0 && (size_t)first * itemsize + (size_t)n <= (size_t)capacity ? 1 : 2;
+    span->nbytes = n > 0 ? (size_t)n : 0;
+    span->held = n >= 0 && first >= 0 && capacity >= 0 && (size_t)first * span->itemsize + span->nbytes <= (size_t)capacity;
+    span->address = span->held ? data : NULL;
+    ok = 1;
     goto done;
 fail:
     ok = -1;
 done:
+    Py_XDECREF(dtype);
     Py_XDECREF(is_cpu);
     Py_XDECREF(layout);
     Py_XDECREF(contiguous);
@@ -279,47 +358,274 @@ done:
     return ok;
 }
 
-/* configure(tensor_type, strided): what span_of accepts; the probe passes torch.Tensor, torch.strided. */
+static int span_of(PyObject *tensor, Span *span) {
+    if (tensor_type == NULL || (PyObject *)Py_TYPE(tensor) != tensor_type) return 0;
+    return shim.enabled ? span_by_shim(tensor, span) : span_by_bindings(tensor, span);
+}
+
+/* configure(tensor_type, strided, formats): what span_of accepts; the probe passes torch.Tensor,
+ * torch.strided and its table of scan formats by dtype. */
 static PyObject *configure(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *type, *layout;
-    if (!PyArg_ParseTuple(args, "O!O", &PyType_Type, &type, &layout)) return NULL;
+    PyObject *type, *layout, *table;
+    if (!PyArg_ParseTuple(args, "O!OO!", &PyType_Type, &type, &layout, &PyDict_Type, &table)) return NULL;
     Py_INCREF(type);
     Py_INCREF(layout);
+    Py_INCREF(table);
     Py_XSETREF(tensor_type, type);
     Py_XSETREF(strided, layout);
+    Py_XSETREF(formats, table);
     Py_RETURN_NONE;
 }
 
-/* dense_span(tensor, itemsize) -> (address, nbytes, held) for a plain contiguous CPU tensor, else None;
- * held is False where its storage no longer holds it, and then nothing may read it. */
-static PyObject *dense_span(PyObject *self, PyObject *args) {
+/* find_torch_shim(library) -> whether torch's C shim is in that loaded library or those it loaded
+ * (the probe passes torch._C's file); it is not used before use_torch_shim. */
+static PyObject *find_torch_shim(PyObject *self, PyObject *arg) {
     (void)self;
-    PyObject *tensor;
-    Py_ssize_t itemsize;
-    if (!PyArg_ParseTuple(args, "On", &tensor, &itemsize)) return NULL;
-    if (itemsize <= 0) {
-        PyErr_SetString(PyExc_ValueError, "itemsize must be positive");
-        return NULL;
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL) return NULL;
+    shim.enabled = shim.found = 0;
+#ifdef HAVE_DLFCN
+    void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (library == NULL) Py_RETURN_FALSE;
+    shim.dtype = (ShimInt32)dlsym(library, "aoti_torch_get_dtype");
+    shim.device_type = (ShimInt32)dlsym(library, "aoti_torch_get_device_type");
+    shim.layout = (ShimInt32)dlsym(library, "aoti_torch_get_layout");
+    shim.numel = (ShimInt64)dlsym(library, "aoti_torch_get_numel");
+    shim.storage_offset = (ShimInt64)dlsym(library, "aoti_torch_get_storage_offset");
+    shim.storage_size = (ShimInt64)dlsym(library, "aoti_torch_get_storage_size");
+    shim.data_ptr = (ShimPointer)dlsym(library, "aoti_torch_get_data_ptr");
+    shim.is_contiguous = (ShimBool)dlsym(library, "aoti_torch_is_contiguous");
+    ShimConstant cpu = (ShimConstant)dlsym(library, "aoti_torch_device_type_cpu");
+    ShimConstant layout_strided = (ShimConstant)dlsym(library, "aoti_torch_layout_strided");
+    if (shim.dtype && shim.device_type && shim.layout && shim.numel && shim.storage_offset && shim.storage_size &&
+        shim.data_ptr && shim.is_contiguous && cpu && layout_strided) {
+        shim.cpu = cpu();
+        shim.strided = layout_strided();
+        shim.library = library;
+        shim.found = 1;
+        Py_RETURN_TRUE;  /* the handle stays open: the library must outlive the pointers */
     }
-    const unsigned char *address;
-    size_t nbytes;
-    int ok = span_of(tensor, (size_t)itemsize, &address, &nbytes);
-    if (ok < 0) return NULL;
-    if (!ok) Py_RETURN_NONE;
-    return Py_BuildValue("(NnO)", PyLong_FromVoidPtr((void *)address), (Py_ssize_t)nbytes,
-                         ok == 1 ? Py_True : Py_False);
+    dlclose(library);
+#endif
+    Py_RETURN_FALSE;
 }
 
-/* A post-accumulate-grad hook for parameters of one dtype. While armed, it scans the gradient
- * the engine has just accumulated and stores answers[id(parameter)] = (gradient, holds NaN/Inf).
- * It never raises into the engine (that would fail the job's backward pass): a gradient it
- * cannot read is left to the probe's scan at the end of the pass. */
+/* shim_dtype(name) -> the c10::ScalarType code of a dtype ("float32"), by the shim's own constants. */
+static PyObject *shim_dtype(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL) return NULL;
+    char symbol[64];
+    ShimConstant constant = NULL;
+#ifdef HAVE_DLFCN
+    if (shim.found && strspn(name, "abcdefghijklmnopqrstuvwxyz0123456789_") == strlen(name) &&
+        snprintf(symbol, sizeof(symbol), "aoti_torch_dtype_%s", name) < (int)sizeof(symbol))
+        constant = (ShimConstant)dlsym(shim.library, symbol);
+#endif
+    if (constant == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "torch's C shim has no dtype %R", arg);
+        return NULL;
+    }
+    return PyLong_FromLong(constant());
+}
+
+/* use_torch_shim(codes) reads spans through the shim from now on, with `codes` (scalar type code ->
+ * (format, itemsize)) for the scan dtypes; use_torch_shim(None) goes back to the bindings. */
+static PyObject *use_torch_shim(PyObject *self, PyObject *codes) {
+    (void)self;
+    if (codes == Py_None) {
+        shim.enabled = 0;
+        Py_RETURN_NONE;
+    }
+    if (!shim.found || !PyDict_Check(codes)) {
+        PyErr_SetString(PyExc_RuntimeError, "use_torch_shim needs the shim found and a dict of codes");
+        return NULL;
+    }
+    signed char format[SHIM_DTYPES];
+    size_t itemsize[SHIM_DTYPES];
+    memset(format, -1, sizeof(format));
+    memset(itemsize, 0, sizeof(itemsize));
+    PyObject *key, *value;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(codes, &position, &key, &value)) {
+        long code = PyLong_AsLong(key);
+        int f;
+        Py_ssize_t size;
+        if (code == -1 && PyErr_Occurred()) return NULL;
+        if (!PyArg_ParseTuple(value, "in", &f, &size)) return NULL;
+        if (code < 0 || code >= SHIM_DTYPES || f < F16 || f > F64 || size <= 0 || (size_t)size % WIDTH[f]) {
+            PyErr_Format(PyExc_ValueError, "scalar type %ld: format %d with %zd-byte elements", code, f, size);
+            return NULL;
+        }
+        format[code] = (signed char)f;
+        itemsize[code] = (size_t)size;
+    }
+    memcpy(shim.format, format, sizeof(format));
+    memcpy(shim.itemsize, itemsize, sizeof(itemsize));
+    shim.enabled = 1;
+    Py_RETURN_NONE;
+}
+
+/* dense_span(tensor) -> (format, address, nbytes, held) for a plain dense CPU tensor of a scan dtype,
+ * else None; held is False (and the address 0) where its storage no longer holds it, and then
+ * nothing may read it. */
+static PyObject *dense_span(PyObject *self, PyObject *tensor) {
+    (void)self;
+    Span span;
+    int ok = span_of(tensor, &span);
+    if (ok < 0) return NULL;
+    if (!ok) Py_RETURN_NONE;
+    return Py_BuildValue("(iNnO)", span.format, PyLong_FromVoidPtr((void *)span.address), (Py_ssize_t)span.nbytes,
+                         span.held ? Py_True : Py_False);
+}
+
+/* The parameter a weak reference points to (a new reference), or NULL (no exception) once it died. */
+static PyObject *referent(PyObject *ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *object = NULL;
+    return PyWeakref_GetRef(ref, &object) == 1 ? object : NULL;
+#else
+    PyObject *object = PyWeakref_GetObject(ref);
+    if (object == Py_None) return NULL;
+    Py_INCREF(object);
+    return object;
+#endif
+}
+
+/* What `check` does with one parameter. */
+enum { SKIP, ANSWERED_FINITE, ANSWERED_NONFINITE, SCAN, LEFT };
+
+/* A hook's answer for this parameter's gradient, or LEFT where none can be used: no answer, an
+ * answer about another tensor, or other post-accumulate hooks beside ours (the caller then knows
+ * whether ours ran last). -1 with an exception set where torch raised. */
+static int hook_answer(PyObject *answers, PyObject *param, PyObject *grad) {
+    PyObject *key = PyLong_FromVoidPtr(param);
+    if (key == NULL) return -1;
+    PyObject *answer = PyDict_GetItemWithError(answers, key); /* borrowed */
+    Py_DECREF(key);
+    if (answer == NULL) return PyErr_Occurred() ? -1 : LEFT;
+    if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != 2 || PyTuple_GET_ITEM(answer, 0) != grad) return LEFT;
+    int found = PyTuple_GET_ITEM(answer, 1) == Py_True;
+    PyObject *hooks = PyObject_GetAttr(param, s_post_accumulate_grad_hooks);
+    if (hooks == NULL) return -1;
+    Py_ssize_t count = hooks == Py_None ? 0 : PyObject_Length(hooks);
+    Py_DECREF(hooks);
+    if (count < 0) return -1;
+    return count > 1 ? LEFT : found ? ANSWERED_NONFINITE : ANSWERED_FINITE;
+}
+
+/* What to do with one parameter's gradient; for SCAN, its span, and the gradient itself in *held
+ * (a new reference: a raw read needs the tensor alive until it is done). */
+static int classify(PyObject *param, PyObject *answers, Span *span, PyObject **held) {
+    PyObject *grad = PyObject_GetAttr(param, s_grad);
+    if (grad == NULL) return -1;
+    int what = SKIP;
+    if (grad != Py_None && (!PyDict_GET_SIZE(answers) || (what = hook_answer(answers, param, grad)) == LEFT)) {
+        int ok = span_of(grad, span);
+        /* Not held: the storage no longer holds the gradient (FSDP freed it), nothing to read. */
+        what = ok < 0 ? -1 : ok == 0 ? LEFT : span->held ? SCAN : SKIP;
+    }
+    if (what == SCAN)
+        *held = grad;
+    else
+        Py_DECREF(grad);
+    return what;
+}
+
+/* check(refs, answers, threads=1) -> (checked, nonfinite, left): the end-of-pass check of the
+ * parameters behind `refs` (weak references) in one call, for the probe's GradCheck.launch. A
+ * gradient a hook scanned this pass (answers[id(param)] holds that very tensor) is answered from
+ * there; one span_of accepts is scanned, across `threads` as `nonfinite` does, unless its storage
+ * no longer holds it (skipped, as are dead parameters and those without a gradient). Every other
+ * parameter is left to the caller: gradients this module may not read raw, and answered ones with
+ * other post-accumulate hooks beside the hook (the caller knows whether the hook ran last).
+ * `checked` counts the gradients answered or scanned; `nonfinite` and `left` are indices into refs,
+ * in order. */
+static PyObject *check(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *refs, *answers;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &refs, &PyDict_Type, &answers, &threads)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(refs);
+    size_t slots = (size_t)count + 1;
+    /* Per format, the spans to scan (up to count each) and the index in refs of each. */
+    const unsigned char **address = PyMem_Calloc(4 * slots, sizeof(*address));
+    size_t *elements = PyMem_Calloc(4 * slots, sizeof(*elements));
+    Py_ssize_t *index = PyMem_Calloc(4 * slots, sizeof(*index));
+    PyObject **held = PyMem_Calloc(slots, sizeof(*held)); /* the gradients to scan, kept alive */
+    unsigned char *found = PyMem_Calloc(4 * slots, 1), *verdict = PyMem_Calloc(slots, 1);
+    Job jobs[4];
+    for (int f = F16; f <= F64; f++)
+        jobs[f] = (Job){f, 0, address + f * slots, elements + f * slots, 0, found + f * slots, 1};
+    PyObject *result = NULL, *nonfinite = NULL, *left = NULL;
+    Py_ssize_t checked = 0;
+    if (address == NULL || elements == NULL || index == NULL || held == NULL || found == NULL || verdict == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *ref = PyList_GET_ITEM(refs, i);
+        if (!PyWeakref_Check(ref)) {
+            PyErr_Format(PyExc_TypeError, "refs[%zd] is not a weak reference", i);
+            goto done;
+        }
+        PyObject *param = referent(ref);
+        if (param == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        Span span;
+        int what = classify(param, answers, &span, &held[i]);
+        Py_DECREF(param);
+        if (what < 0) goto done;
+        verdict[i] = (unsigned char)what;
+        if (what == SCAN) {
+            Job *job = &jobs[span.format];
+            job->address[job->count] = span.address;
+            job->elements[job->count] = span.nbytes / WIDTH[span.format];
+            job->total += job->elements[job->count];
+            index[(size_t)span.format * slots + (size_t)job->count++] = i;
+        }
+    }
+    for (int f = F16; f <= F64; f++) {
+        if (jobs[f].count == 0) continue;
+        run_job(&jobs[f], threads);
+        for (Py_ssize_t k = 0; k < jobs[f].count; k++)
+            if (jobs[f].found[k]) verdict[index[(size_t)f * slots + (size_t)k]] = ANSWERED_NONFINITE;
+    }
+    if ((nonfinite = PyList_New(0)) == NULL || (left = PyList_New(0)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *list = verdict[i] == ANSWERED_NONFINITE ? nonfinite : verdict[i] == LEFT ? left : NULL;
+        checked += verdict[i] == ANSWERED_FINITE || verdict[i] == ANSWERED_NONFINITE || verdict[i] == SCAN;
+        if (list == NULL) continue;
+        PyObject *position = PyLong_FromSsize_t(i);
+        int failed = position == NULL || PyList_Append(list, position) < 0;
+        Py_XDECREF(position);
+        if (failed) goto done;
+    }
+    result = Py_BuildValue("(nOO)", checked, nonfinite, left);
+done:
+    Py_XDECREF(nonfinite);
+    Py_XDECREF(left);
+    PyMem_Free(address);
+    PyMem_Free(elements);
+    PyMem_Free(index);
+    for (Py_ssize_t i = 0; held != NULL && i < count; i++) Py_XDECREF(held[i]);
+    PyMem_Free(held);
+    PyMem_Free(found);
+    PyMem_Free(verdict);
+    return result;
+}
+
+/* A post-accumulate-grad hook for parameters of one scan format and element size (which tell the
+ * scan dtypes apart). While armed, it scans the gradient the engine has just accumulated and
+ * stores answers[id(parameter)] = (gradient, holds NaN/Inf). It never raises into the engine (that
+ * would fail the job's backward pass): a gradient it cannot read is left to the end of the pass. */
 typedef struct {
     PyObject_HEAD
     int format;
     Py_ssize_t itemsize;
-    PyObject *dtype;
     PyObject *answers;
     int armed;
     int threads;
@@ -339,33 +645,22 @@ static double now(int clock) {
 }
 
 static int hook_scan(Hook *self, PyObject *param) {
-    PyObject *grad = PyObject_GetAttr(param, s_grad), *dtype = NULL;
-    int ok = -1;
+    PyObject *grad = PyObject_GetAttr(param, s_grad);
     if (grad == NULL) return -1;
-    if (grad == Py_None) {
-        ok = 0;
-        goto done;
-    }
-    if ((dtype = PyObject_GetAttr(grad, s_dtype)) == NULL) goto done;
-    const unsigned char *address;
-    size_t nbytes;
+    Span span;
     /* A model cast in place (`model.half()`) keeps its Parameter objects and hooks. */
-    ok = dtype == self->dtype ? span_of(grad, (size_t)self->itemsize, &address, &nbytes) : 0;
-    if (ok != 1) {
-        ok = ok < 0 ? -1 : 0;
-        goto done;
+    int ok = grad == Py_None ? 0 : span_of(grad, &span);
+    if (ok == 1 && span.held && span.format == self->format && span.itemsize == (size_t)self->itemsize) {
+        size_t elements = span.nbytes / WIDTH[self->format];
+        unsigned char found = 0;
+        Job job = {self->format, 1, &span.address, &elements, elements, &found, 1};
+        run_job(&job, self->threads);
+        PyObject *key = PyLong_FromVoidPtr(param);
+        PyObject *answer = Py_BuildValue("(OO)", grad, found ? Py_True : Py_False);
+        ok = key != NULL && answer != NULL && PyDict_SetItem(self->answers, key, answer) == 0 ? 1 : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(answer);
     }
-    size_t elements = nbytes / WIDTH[self->format];
-    unsigned char found = 0;
-    Job job = {self->format, 1, &address, &elements, elements, &found, 1};
-    run_job(&job, self->threads);
-    PyObject *key = PyLong_FromVoidPtr(param);
-    PyObject *answer = Py_BuildValue("(OO)", grad, found ? Py_True : Py_False);
-    ok = key != NULL && answer != NULL && PyDict_SetItem(self->answers, key, answer) == 0 ? 1 : -1;
-    Py_XDECREF(key);
-    Py_XDECREF(answer);
-done:
-    Py_XDECREF(dtype);
     Py_DECREF(grad);
     return ok;
 }
@@ -382,12 +677,11 @@ static PyObject *Hook_call(Hook *self, PyObject *args, PyObject *kwargs) {
 }
 
 static int Hook_init(Hook *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"format", "itemsize", "dtype", "answers", NULL};
+    static char *keywords[] = {"format", "itemsize", "answers", NULL};
     int format;
     Py_ssize_t itemsize;
-    PyObject *dtype, *answers;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "inOO!", keywords, &format, &itemsize, &dtype,
-                                     &PyDict_Type, &answers))
+    PyObject *answers;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "inO!", keywords, &format, &itemsize, &PyDict_Type, &answers))
         return -1;
     if (format < F16 || format > F64 || itemsize <= 0 || (size_t)itemsize % WIDTH[format]) {
         PyErr_Format(PyExc_ValueError, "format %d with %zd-byte elements", format, itemsize);
@@ -395,22 +689,18 @@ static int Hook_init(Hook *self, PyObject *args, PyObject *kwargs) {
     }
     self->format = format;
     self->itemsize = itemsize;
-    Py_INCREF(dtype);
     Py_INCREF(answers);
-    Py_XSETREF(self->dtype, dtype);
     Py_XSETREF(self->answers, answers);
     self->threads = 1;
     return 0;
 }
 
 static int Hook_traverse(Hook *self, visitproc visit, void *arg) {
-    Py_VISIT(self->dtype);
     Py_VISIT(self->answers);
     return 0;
 }
 
 static int Hook_clear(Hook *self) {
-    Py_CLEAR(self->dtype);
     Py_CLEAR(self->answers);
     return 0;
 }
@@ -434,7 +724,7 @@ static PyTypeObject HookType = {
     .tp_name = "torchpulse.probes._gradscan.Hook",
     .tp_basicsize = sizeof(Hook),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Hook(format, itemsize, dtype, answers): scans each gradient as it is accumulated",
+    .tp_doc = "Hook(format, itemsize, answers): scans each gradient as it is accumulated",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Hook_init,
     .tp_call = (ternaryfunc)Hook_call,
@@ -450,15 +740,30 @@ static PyObject *last_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(last_team);
 }
 
+static PyObject *torch_shim_enabled(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(shim.enabled);
+}
+
 static PyMethodDef methods[] = {
     {"nonfinite", nonfinite, METH_VARARGS,
      "nonfinite(format, addresses, nbytes, threads=1) -> indices of the spans holding a NaN or an Inf"},
     {"use_openmp", use_openmp, METH_O,
      "use_openmp(library_path) -> whether scans can split across that loaded library's OpenMP team"},
     {"last_threads", last_threads, METH_NOARGS, "last_threads() -> how many threads ran the last scan"},
-    {"configure", configure, METH_VARARGS, "configure(tensor_type, strided): the tensors dense_span accepts"},
-    {"dense_span", dense_span, METH_VARARGS,
-     "dense_span(tensor, itemsize) -> (address, nbytes, held) for a plain contiguous CPU tensor, else None"},
+    {"configure", configure, METH_VARARGS,
+     "configure(tensor_type, strided, formats): the tensors dense_span accepts, and their scan formats by dtype"},
+    {"find_torch_shim", find_torch_shim, METH_O,
+     "find_torch_shim(library_path) -> whether torch's C shim is there (not used before use_torch_shim)"},
+    {"shim_dtype", shim_dtype, METH_O, "shim_dtype(name) -> the c10::ScalarType code of that dtype, by torch's C shim"},
+    {"use_torch_shim", use_torch_shim, METH_O,
+     "use_torch_shim(codes) reads spans through torch's C shim (codes: scalar type -> (format, itemsize)); None: not"},
+    {"torch_shim_enabled", torch_shim_enabled, METH_NOARGS, "torch_shim_enabled() -> whether spans are read so"},
+    {"dense_span", dense_span, METH_O,
+     "dense_span(tensor) -> (format, address, nbytes, held) for a plain dense CPU tensor of a scan dtype, else None"},
+    {"check", check, METH_VARARGS,
+     "check(refs, answers, threads=1) -> (checked, nonfinite, left): the end-of-pass check in one call"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -471,7 +776,8 @@ PyMODINIT_FUNC PyInit__gradscan(void) {
     if (intern(&s_grad, "grad") || intern(&s_dtype, "dtype") || intern(&s_is_cpu, "is_cpu") ||
         intern(&s_layout, "layout") || intern(&s_is_contiguous, "is_contiguous") || intern(&s_nbytes, "nbytes") ||
         intern(&s_storage_offset, "storage_offset") || intern(&s_untyped_storage, "untyped_storage") ||
-        intern(&s_data_ptr, "data_ptr") || PyType_Ready(&HookType) < 0)
+        intern(&s_data_ptr, "data_ptr") || intern(&s_post_accumulate_grad_hooks, "_post_accumulate_grad_hooks") ||
+        intern(&s_cdata, "_cdata") || PyType_Ready(&HookType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -52,10 +52,18 @@ if TYPE_CHECKING:
 ParamRef = weakref.ReferenceType[torch.Tensor]
 
 
+# dtype -> (the scanner's format code, bytes per element). Complex dtypes are scanned as their
+# real and imaginary parts. float8 formats are left to torch: e4m3fn has no Inf and one NaN code.
+_SCAN_FORMATS: dict[torch.dtype, tuple[int, int]] = {
+    torch.float16: (0, 2), torch.bfloat16: (1, 2), torch.float32: (2, 4), torch.float64: (3, 8),
+    torch.complex32: (0, 4), torch.complex64: (2, 8), torch.complex128: (3, 16),
+}
+
 # None where it was not built (no compiler at install time): `_foreach_norm` then reads CPU gradients too.
 _gradscan = optional_module("torchpulse.probes._gradscan")
 if _gradscan is not None:
-    _gradscan.configure(torch.Tensor, torch.strided)  # what it may read raw: plain strided tensors
+    # What it may read raw: plain strided tensors of the dtypes above.
+    _gradscan.configure(torch.Tensor, torch.strided, _SCAN_FORMATS)
 Scanner = Callable[[int, list[int], list[int], int], list[int]]  # _gradscan.nonfinite
 # Whether scans can run on torch's own OpenMP team, found through torch's extension module (torch
 # builds for Linux and macOS use OpenMP; others run each scan on the training thread).
@@ -64,12 +72,60 @@ _SCAN_ON_TEAM: bool = (_gradscan is not None and _TORCH_HAS_OPENMP
                        and _gradscan.use_openmp(getattr(torch._C, "__file__", "")))
 
 
-# dtype -> (the scanner's format code, bytes per element). Complex dtypes are scanned as their
-# real and imaginary parts. float8 formats are left to torch: e4m3fn has no Inf and one NaN code.
-_SCAN_FORMATS: dict[torch.dtype, tuple[int, int]] = {
-    torch.float16: (0, 2), torch.bfloat16: (1, 2), torch.float32: (2, 4), torch.float64: (3, 8),
-    torch.complex32: (0, 4), torch.complex64: (2, 8), torch.complex128: (3, 16),
-}
+def _shim_samples() -> list[torch.Tensor]:
+    """Tensors that take every branch of the C module's span check: each scan dtype, other dtypes,
+    views (offset, transposed, channels-last), empty, sparse, meta, and a view of freed storage.
+    On the CPU whatever the job's default device is (a CUDA one would make both ways answer None)."""
+    cpu = torch.device("cpu")
+    base = torch.arange(24, dtype=torch.float32, device=cpu).reshape(2, 3, 4)
+    freed = torch.zeros(4, 4, device=cpu)[1:]
+    freed.untyped_storage().resize_(0)
+    samples = [base, base[1], base[:, 1:], base.transpose(0, 2), torch.empty(0, device=cpu),
+               torch.zeros(3, dtype=torch.int32, device=cpu),
+               torch.zeros(2, 3, 4, 5, device=cpu).to(memory_format=torch.channels_last),
+               torch.eye(3, device=cpu).to_sparse(), torch.empty(4, device="meta"), freed,
+               torch.nn.Parameter(torch.zeros(2, device=cpu))]
+    # Not complex32: making one warns the job (once) that ComplexHalf is experimental.
+    for dtype in _SCAN_FORMATS:
+        if dtype != torch.complex32:
+            samples += [torch.zeros(5, dtype=dtype, device=cpu), torch.zeros(6, dtype=dtype, device=cpu)[2:]]
+    return samples
+
+
+def _shim_codes() -> dict[int, tuple[int, int]]:
+    """The scan formats by c10::ScalarType code, from the shim's own dtype constants."""
+    assert _gradscan is not None
+    return {_gradscan.shim_dtype(str(dtype).removeprefix("torch.")): spec for dtype, spec in _SCAN_FORMATS.items()}
+
+
+def _use_torch_shim() -> str | None:
+    """Read the facts about a tensor through torch's stable C shim where it gives the same spans as
+    torch's Python bindings for every sample; else None, and the reason the bindings read them."""
+    if _gradscan is None:
+        return None
+    if not _gradscan.find_torch_shim(getattr(torch._C, "__file__", "")):
+        return "torch's C shim (aoti_torch_*) was not found through torch._C"
+    try:
+        samples = _shim_samples()
+        by_bindings = [_gradscan.dense_span(tensor) for tensor in samples]
+        _gradscan.use_torch_shim(_shim_codes())
+        by_shim = [_gradscan.dense_span(tensor) for tensor in samples]
+    except (RuntimeError, ValueError, TypeError) as exc:
+        _gradscan.use_torch_shim(None)
+        return f"torch's C shim failed on a sample tensor: {exc}"
+    if by_shim != by_bindings:
+        _gradscan.use_torch_shim(None)
+        return "torch's C shim disagrees with torch's bindings about a sample tensor"
+    return None
+
+
+# Why torch's bindings give the C module its tensor facts, or None where torch's C shim does (or
+# where there is no C module).
+_SHIM_MISSING = _use_torch_shim()
+
+
+# Whether this torch build has torch.distributed at all (a build fact: asked once, not every pass).
+_DISTRIBUTED_BUILT = bool(torch.distributed.is_available())
 
 
 def scan_threads() -> int:
@@ -85,6 +141,8 @@ def scan_limits() -> str | None:
         return "torch was built without OpenMP: the scan runs on the training thread alone"
     if not _SCAN_ON_TEAM:
         return "torch's OpenMP runtime was not found through torch._C: the scan runs on the training thread alone"
+    if _SHIM_MISSING is not None:
+        return f"{_SHIM_MISSING}: torch's Python bindings tell the scan where gradients lie (slower mid-pass)"
     return None
 
 
@@ -231,7 +289,7 @@ class GradCheck:
         self._answers.clear()
         if not self._hooking:
             return
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if _DISTRIBUTED_BUILT and torch.distributed.is_initialized():
             self.stop_hooking()  # DDP and FSDP write gradients after they are accumulated
             return
         if self._hooks_stale:
@@ -292,7 +350,7 @@ class GradCheck:
             return None
         hook = self._hook_for.get(param.dtype)
         if hook is None:
-            hook = self._hook_for[param.dtype] = _gradscan.Hook(spec[0], spec[1], param.dtype, self._answers)
+            hook = self._hook_for[param.dtype] = _gradscan.Hook(spec[0], spec[1], self._answers)
         return hook
 
     def _answered(self, param: torch.Tensor, grad: torch.Tensor) -> bool | None:
@@ -317,13 +375,18 @@ class GradCheck:
         """Queue the check of every known parameter that has a gradient: scanned or reduced."""
         if self._deaths or self._waiting or self._found:
             self._settle()
+        refs = self._refs
+        checked, nonfinite = 0, []
+        answers = self._answers
+        if self._scan is not None and _gradscan is not None:
+            # One C call answers what the hooks scanned and scans what it may read raw; per parameter,
+            # the same loop in Python costs several times more (its objects are cold after the pass).
+            checked, found, left = _gradscan.check(refs, answers, scan_threads())
+            nonfinite = [refs[i] for i in found]
+            refs = [refs[i] for i in left]
         scans: dict[int, _Scan] = {}
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[ParamRef], list[torch.Tensor]]] = {}
-        scannable = _SCAN_FORMATS if self._scan is not None else {}
-        answered: list[ParamRef] = []  # scanned by a hook during the pass
-        answered_nonfinite: list[ParamRef] = []
-        answers = self._answers
-        for ref in self._refs:
+        for ref in refs:
             param = ref()
             if param is None:
                 continue
@@ -331,43 +394,43 @@ class GradCheck:
             if grad is None:
                 continue
             if answers:
-                nonfinite = self._answered(param, grad)
-                if nonfinite is not None:
-                    answered.append(ref)
-                    if nonfinite:
-                        answered_nonfinite.append(ref)
+                answer = self._answered(param, grad)
+                if answer is not None:
+                    checked += 1
+                    if answer:
+                        nonfinite.append(ref)
                     continue
-            spec = scannable.get(grad.dtype)  # (format code, bytes per element)
-            span = None if spec is None or _gradscan is None else _gradscan.dense_span(grad, spec[1])
-            if spec is not None and span is not None:
-                # Raw reads only of what the storage still holds (span[2]): FSDP frees the storage
-                # under views of it (see `_readable`), and the view keeps its old address.
-                if span[2]:
-                    scan = scans.get(spec[0])
+            span = _gradscan.dense_span(grad) if self._scan is not None and _gradscan is not None else None
+            if span is not None:
+                # (format, address, nbytes, held). Raw reads only of what the storage still holds: FSDP frees
+                # the storage under views of it (see `_readable`), and the view keeps its old address.
+                code, address, nbytes, held = span
+                if held:
+                    scan = scans.get(code)
                     if scan is None:
-                        scan = scans[spec[0]] = _Scan()
+                        scan = scans[code] = _Scan()
                     scan.refs.append(ref)
-                    scan.addresses.append(span[0])
-                    scan.lengths.append(span[1])
+                    scan.addresses.append(address)
+                    scan.lengths.append(nbytes)
                 continue
             readable = _readable(grad)
             if readable is not None:
-                refs, grads = groups.setdefault((readable.device, readable.dtype), ([], []))
-                refs.append(ref)
+                group_refs, grads = groups.setdefault((readable.device, readable.dtype), ([], []))
+                group_refs.append(ref)
                 grads.append(readable)
         answers.clear()  # the gradients it holds are the job's to free
-        if answered:
-            self._enqueue(_Done(CheckResult(pass_index, kind, len(answered), tuple(answered_nonfinite), math.nan)))
         if scans and self._scan is not None:
             threads = scan_threads()
             for code, scan in scans.items():
-                found = tuple(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths, threads))
-                self._enqueue(_Done(CheckResult(pass_index, kind, len(scan.refs), found, math.nan)))
+                checked += len(scan.refs)
+                nonfinite.extend(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths, threads))
+        if checked:  # answered on the host already: one result for the whole pass
+            self._enqueue(_Done(CheckResult(pass_index, kind, checked, tuple(nonfinite), math.nan)))
         if groups:
             # The job's dispatch modes (FlopCounterMode, DebugMode, a memory tracker) must record its ops only.
             with torch.no_grad(), tf.dispatch_modes_aside():
-                for (device, dtype), (refs, grads) in groups.items():
-                    self._enqueue(_launch_group(pass_index, kind, device, dtype, refs, grads))
+                for (device, dtype), (group_refs, grads) in groups.items():
+                    self._enqueue(_launch_group(pass_index, kind, device, dtype, group_refs, grads))
 
     def _enqueue(self, pending: _Pending | _Done) -> None:
         if len(self._pending) >= self._max_pending:
