@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 .PHONY: demo test lint bench fuzz clean
 
 # The C parts are built at install: a change to one reinstalls.
-$(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c)
+$(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c) $(wildcard torchpulse/*/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"

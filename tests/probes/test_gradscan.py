@@ -25,7 +25,7 @@ from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, GradCheck
 
 scan = None if autograd_nonfinite._gradscan is None else autograd_nonfinite._gradscan.nonfinite
 needs_scan = pytest.mark.skipif(scan is None, reason="_gradscan not built (no C compiler): torch reads instead")
-# As in _gradscan.c: a span is read as STREAMS parts in lockstep, BLOCK elements of each at a time
+# As in _gradscan_scan.c: a span is read as STREAMS parts in lockstep, BLOCK elements of each at a time
 # (a NaN ends the scan at its block's end), and the last n % STREAMS elements after them. Scans of
 # at least PARALLEL_MIN_BYTES per thread split across torch's OpenMP team.
 STREAMS, BLOCK, PARALLEL_MIN_BYTES = 4, 4096, 256 * 1024
