@@ -24,6 +24,12 @@ torch.distributed (DDP all-reduces them in place at the end of the pass), compil
 autograd (it would trace the hook into its graph), or a job's own post-accumulate
 hook registered after ours (ours is moved behind it for the next pass).
 
+In the middle of a pass every call into torch's Python bindings is cold, so the C
+module asks torch's stable C shim (`aoti_torch_*`, what AOTInductor's compiled models
+call) where a tensor lies, once it has given the same answers as the bindings for a set
+of sample tensors (`_use_torch_shim`); and the end of the pass is one C call
+(`_gradscan.check`) over every parameter, with Python left only what it cannot read raw.
+
 The converse needs care: squares of float32 values overflow above ~1.8e19, so a
 finite gradient can have an infinite float32 norm. On CUDA the norms accumulate
 in float64 (the reduction is bound by memory bandwidth, so this costs nothing
