@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.probes.autograd_support import autograd_agent, events, span_reader, tiny_transformer
-from torchpulse.probes.autograd_nonfinite import _gradscan
+from torchpulse.probes.autograd_nonfinite import GradCheck, _gradscan
 
 pytestmark = pytest.mark.skipif(_gradscan is None, reason="the C module _gradscan was not built")
 
@@ -229,3 +229,27 @@ def test_under_torch_distributed_gradients_are_read_after_the_pass(tmp_path: Pat
             dist.destroy_process_group()
         agent.drain()
         assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
+
+
+def test_every_hooked_gradient_of_a_big_model_is_answered_and_the_bad_ones_named() -> None:
+    """300 hooked parameters (the hooks' table of answers grows and rehashes twice): each is answered by
+    its hook, exactly the non-finite ones are named, and nothing is held once the pass is over."""
+    params = [torch.nn.Parameter(torch.ones(8)) for _ in range(300)]
+    bad = {0, 7, 150, 299}
+    check = GradCheck(max_pending=4, norms=False)
+    check.hook_min_bytes = 0
+    for param in params:
+        check.track(param)
+    for step in range(2):
+        check.arm()
+        scale = [math.nan if step and i in bad else 1.0 for i in range(len(params))]
+        sum((param * factor).sum() for param, factor in zip(params, scale, strict=True)).backward()
+        assert len(params) == len(check._answers)
+        check.launch(step, "backward")
+        check.disarm()
+        [result] = check.poll()
+        assert len(params) == result.checked
+        assert {id(params[i]) for i in (bad if step else ())} == {id(ref()) for ref in result.nonfinite}
+        assert 0 == len(check._answers)
+        for param in params:
+            param.grad = None

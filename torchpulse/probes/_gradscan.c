@@ -32,29 +32,24 @@ enum { SKIP, ANSWERED_FINITE, ANSWERED_NONFINITE, SCAN, LEFT };
 /* A hook's answer for this parameter's gradient, or LEFT where none can be used: no answer, an
  * answer about another tensor, or other post-accumulate hooks beside ours (the caller then knows
  * whether ours ran last). -1 with an exception set where torch raised. */
-static int hook_answer(PyObject *answers, PyObject *param, PyObject *grad) {
-    PyObject *key = PyLong_FromVoidPtr(param);
-    if (key == NULL) return -1;
-    PyObject *answer = PyDict_GetItemWithError(answers, key); /* borrowed */
-    Py_DECREF(key);
-    if (answer == NULL) return PyErr_Occurred() ? -1 : LEFT;
-    if (!PyTuple_Check(answer) || PyTuple_GET_SIZE(answer) != 2 || PyTuple_GET_ITEM(answer, 0) != grad) return LEFT;
-    int found = PyTuple_GET_ITEM(answer, 1) == Py_True;
+static int hook_answer(const Answers *answers, PyObject *param, PyObject *grad) {
+    const Answer *answer = answers_find(answers, param);
+    if (answer == NULL || answer->grad != grad) return LEFT;
     PyObject *hooks = PyObject_GetAttr(param, s_post_accumulate_grad_hooks);
     if (hooks == NULL) return -1;
     Py_ssize_t count = hooks == Py_None ? 0 : PyObject_Length(hooks);
     Py_DECREF(hooks);
     if (count < 0) return -1;
-    return count > 1 ? LEFT : found ? ANSWERED_NONFINITE : ANSWERED_FINITE;
+    return count > 1 ? LEFT : answer->found ? ANSWERED_NONFINITE : ANSWERED_FINITE;
 }
 
 /* What to do with one parameter's gradient; for SCAN, its span, and the gradient itself in *held
  * (a new reference: a raw read needs the tensor alive until it is done). */
-static int classify(PyObject *param, PyObject *answers, Span *span, PyObject **held) {
+static int classify(PyObject *param, const Answers *answers, Span *span, PyObject **held) {
     PyObject *grad = PyObject_GetAttr(param, s_grad);
     if (grad == NULL) return -1;
     int what = SKIP;
-    if (grad != Py_None && (!PyDict_GET_SIZE(answers) || (what = hook_answer(answers, param, grad)) == LEFT)) {
+    if (grad != Py_None && (answers->count == 0 || (what = hook_answer(answers, param, grad)) == LEFT)) {
         int ok = span_of(grad, span);
         /* Not held: the storage no longer holds the gradient (FSDP freed it), nothing to read. */
         what = ok < 0 ? -1 : ok == 0 ? LEFT : span->held ? SCAN : SKIP;
@@ -68,7 +63,7 @@ static int classify(PyObject *param, PyObject *answers, Span *span, PyObject **h
 
 /* check(refs, answers, threads=1) -> (checked, nonfinite, left): the end-of-pass check of the
  * parameters behind `refs` (weak references) in one call, for the probe's GradCheck.launch. A
- * gradient a hook scanned this pass (answers[id(param)] holds that very tensor) is answered from
+ * gradient a hook scanned this pass (its answer names that very tensor) is answered from
  * there; one span_of accepts is scanned, across `threads` as `nonfinite` does, unless its storage
  * no longer holds it (skipped, as are dead parameters and those without a gradient). Every other
  * parameter is left to the caller: gradients this module may not read raw, and answered ones with
@@ -77,9 +72,10 @@ static int classify(PyObject *param, PyObject *answers, Span *span, PyObject **h
  * in order. */
 static PyObject *check(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *refs, *answers;
+    PyObject *refs;
+    Answers *answers;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &refs, &PyDict_Type, &answers, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &refs, &AnswersType, &answers, &threads)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(refs);
     size_t slots = (size_t)count + 1;
     /* Per format, the spans to scan (up to count each) and the index in refs of each. */
@@ -153,13 +149,13 @@ done:
 
 /* A post-accumulate-grad hook for parameters of one scan format and element size (which tell the
  * scan dtypes apart). While armed, it scans the gradient the engine has just accumulated and
- * stores answers[id(parameter)] = (gradient, holds NaN/Inf). It never raises into the engine (that
+ * leaves (gradient, holds NaN/Inf) for the parameter in its Answers. It never raises into the engine (that
  * would fail the job's backward pass): a gradient it cannot read is left to the end of the pass. */
 typedef struct {
     PyObject_HEAD
     int format;
     Py_ssize_t itemsize;
-    PyObject *answers;
+    Answers *answers;
     int armed;
     int threads;
     int clock;       /* for benchmarks: 0 off, 1 thread CPU time, 2 wall clock */
@@ -188,11 +184,7 @@ static int hook_scan(Hook *self, PyObject *param) {
         unsigned char found = 0;
         Job job = {self->format, 1, &span.address, &elements, elements, &found, 1};
         run_job(&job, self->threads);
-        PyObject *key = PyLong_FromVoidPtr(param);
-        PyObject *answer = Py_BuildValue("(OO)", grad, found ? Py_True : Py_False);
-        ok = key != NULL && answer != NULL && PyDict_SetItem(self->answers, key, answer) == 0 ? 1 : -1;
-        Py_XDECREF(key);
-        Py_XDECREF(answer);
+        ok = answers_put(self->answers, param, grad, found) == 0 ? 1 : -1;
     }
     Py_DECREF(grad);
     return ok;
@@ -213,8 +205,8 @@ static int Hook_init(Hook *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"format", "itemsize", "answers", NULL};
     int format;
     Py_ssize_t itemsize;
-    PyObject *answers;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "inO!", keywords, &format, &itemsize, &PyDict_Type, &answers))
+    Answers *answers;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "inO!", keywords, &format, &itemsize, &AnswersType, &answers))
         return -1;
     if (format < F16 || format > F64 || itemsize <= 0 || (size_t)itemsize % WIDTH[format]) {
         PyErr_Format(PyExc_ValueError, "format %d with %zd-byte elements", format, itemsize);
@@ -222,7 +214,7 @@ static int Hook_init(Hook *self, PyObject *args, PyObject *kwargs) {
     }
     self->format = format;
     self->itemsize = itemsize;
-    Py_INCREF(answers);
+    Py_INCREF((PyObject *)answers);
     Py_XSETREF(self->answers, answers);
     self->threads = 1;
     return 0;
@@ -295,13 +287,11 @@ static int intern(PyObject **name, const char *text) { return (*name = PyUnicode
 
 PyMODINIT_FUNC PyInit__gradscan(void) {
     if (intern(&s_grad, "grad") || intern(&s_post_accumulate_grad_hooks, "_post_accumulate_grad_hooks") ||
-        span_init() < 0 || PyType_Ready(&HookType) < 0)
+        span_init() < 0 || PyType_Ready(&HookType) < 0 || PyType_Ready(&AnswersType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&HookType);
-    if (PyModule_AddObject(m, "Hook", (PyObject *)&HookType) < 0) {
-        Py_DECREF(&HookType);
+    if (PyModule_AddType(m, &HookType) < 0 || PyModule_AddType(m, &AnswersType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

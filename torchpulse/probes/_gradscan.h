@@ -1,6 +1,7 @@
 /* What the units of torchpulse.probes._gradscan share: _gradscan_scan.c scans spans for NaN and
- * Inf, _gradscan_span.c decides which tensors may be read raw and where they lie, and _gradscan.c
- * has the end-of-pass check, the post-accumulate-grad hook and the module itself. */
+ * Inf, _gradscan_span.c decides which tensors may be read raw and where they lie,
+ * _gradscan_answers.c keeps what the hooks found, and _gradscan.c has the end-of-pass check, the
+ * post-accumulate-grad hook and the module itself. */
 #ifndef TORCHPULSE_GRADSCAN_H
 #define TORCHPULSE_GRADSCAN_H
 
@@ -50,6 +51,22 @@ typedef struct {
  * other tensor, -1 with an exception set where torch raised. */
 INTERNAL int span_of(PyObject *tensor, Span *span);
 INTERNAL int span_init(void); /* at module import: 0, or -1 with an exception set */
+
+/* What the hooks found during a pass (_gradscan_answers.c). */
+typedef struct {
+    void *param;    /* the parameter's address (its id); NULL for a free slot */
+    PyObject *grad; /* the gradient scanned */
+    int found;      /* it held a NaN or an Inf */
+} Answer;
+typedef struct {
+    PyObject_HEAD
+    Answer *slots;
+    Py_ssize_t capacity; /* a power of two, or 0 */
+    Py_ssize_t count;
+} Answers;
+INTERNAL extern PyTypeObject AnswersType;
+INTERNAL Answer *answers_find(const Answers *answers, const void *param); /* NULL where none */
+INTERNAL int answers_put(Answers *answers, void *param, PyObject *grad, int found); /* -1: MemoryError */
 
 /* The module's functions, by unit (see each for what it does). */
 INTERNAL PyObject *nonfinite(PyObject *self, PyObject *args);

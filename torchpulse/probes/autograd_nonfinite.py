@@ -43,9 +43,9 @@ import contextlib
 import math
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -152,9 +152,9 @@ def scan_limits() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    """A read-back check: which parameters were non-finite, and the global norm."""
+class CheckResult(NamedTuple):
+    """A read-back check: which parameters were non-finite, and the global norm. A tuple: one is made
+    every pass, where a frozen dataclass's field-by-field __init__ cost ~10 µs cold."""
 
     pass_index: int
     kind: str
@@ -176,19 +176,6 @@ class _Pending:
 
     def read(self) -> CheckResult:
         return _read(self)
-
-
-@dataclass(frozen=True)
-class _Done:
-    """A check answered on the host already (the CPU scan); it keeps its place in the queue."""
-
-    result: CheckResult
-
-    def ready(self) -> bool:
-        return True
-
-    def read(self) -> CheckResult:
-        return self.result
 
 
 class _Scan:
@@ -224,7 +211,7 @@ class GradCheck:
         # Tracked tensors that died since the lists were last pruned (a weakref callback counts them),
         # so that a pass prunes only when there is something to prune.
         self._deaths = 0
-        self._pending: deque[_Pending | _Done] = deque()
+        self._pending: deque[_Pending | CheckResult] = deque()  # a result: answered on the host already
         self._max_pending = max_pending
         # The CPU scan answers finite or not, without a norm: used only where no norm is wanted.
         self._scan: Scanner | None = None if norms or _gradscan is None else _gradscan.nonfinite
@@ -234,7 +221,9 @@ class GradCheck:
         self._hook_for: dict[torch.dtype, Any] = {}
         self._hooked: dict[int, tuple[ParamRef, RemovableHandle]] = {}
         self._hooks_stale = False  # parameters tracked since the hooks were last placed
-        self._answers: dict[int, tuple[torch.Tensor, bool]] = {}
+        # What the hooks found this pass (`_gradscan.Answers`: get(param) -> (gradient, found) | None).
+        self._answers: Any = _gradscan.Answers() if _gradscan is not None else {}
+        self._armed_threads = 0  # scan_threads() as `arm` read it for this pass (0: not armed)
         self.dropped = 0
         # Set when a tracked nn.Parameter dies: its model was dropped, most likely for a
         # rebuilt one whose parameters the next pass should look for (the caller resets it).
@@ -300,7 +289,7 @@ class GradCheck:
             return
         if self._hooks_stale:
             self._place_hooks()
-        threads = scan_threads()
+        threads = self._armed_threads = scan_threads()
         for hook in self._hook_for.values():
             hook.threads = threads
             hook.armed = 1
@@ -309,6 +298,7 @@ class GradCheck:
         """Between passes the hooks do nothing, and no gradient is held for them."""
         for hook in self._hook_for.values():
             hook.armed = 0
+        self._armed_threads = 0
         self._answers.clear()
 
     def stop_hooking(self) -> None:
@@ -361,7 +351,7 @@ class GradCheck:
 
     def _answered(self, param: torch.Tensor, grad: torch.Tensor) -> bool | None:
         """Whether a hook found this gradient non-finite during the pass; None where it did not scan it."""
-        answer = self._answers.get(id(param))
+        answer: tuple[torch.Tensor, bool] | None = self._answers.get(param)
         if answer is None or answer[0] is not grad:
             return None
         hooks: dict[int, Any] | None = param._post_accumulate_grad_hooks
@@ -387,7 +377,7 @@ class GradCheck:
         if self._scan is not None and _gradscan is not None:
             # One C call answers what the hooks scanned and scans what it may read raw; per parameter,
             # the same loop in Python costs several times more (its objects are cold after the pass).
-            checked, found, left = _gradscan.check(refs, answers, scan_threads())
+            checked, found, left = _gradscan.check(refs, answers, self._armed_threads or scan_threads())
             nonfinite = [refs[i] for i in found]
             refs = [refs[i] for i in left]
         scans: dict[int, _Scan] = {}
@@ -431,14 +421,14 @@ class GradCheck:
                 checked += len(scan.refs)
                 nonfinite.extend(scan.refs[i] for i in self._scan(code, scan.addresses, scan.lengths, threads))
         if checked:  # answered on the host already: one result for the whole pass
-            self._enqueue(_Done(CheckResult(pass_index, kind, checked, tuple(nonfinite), math.nan)))
+            self._enqueue(CheckResult(pass_index, kind, checked, tuple(nonfinite), math.nan))
         if groups:
             # The job's dispatch modes (FlopCounterMode, DebugMode, a memory tracker) must record its ops only.
             with torch.no_grad(), tf.dispatch_modes_aside():
                 for (device, dtype), (group_refs, grads) in groups.items():
                     self._enqueue(_launch_group(pass_index, kind, device, dtype, group_refs, grads))
 
-    def _enqueue(self, pending: _Pending | _Done) -> None:
+    def _enqueue(self, pending: _Pending | CheckResult) -> None:
         if len(self._pending) >= self._max_pending:
             self._pending.popleft()
             self.dropped += 1
@@ -450,12 +440,15 @@ class GradCheck:
         pending = self._pending
         try:
             # Scans answered on the host need no reading back (and on CPU they are all there is).
-            while pending and type(pending[0]) is _Done:
-                results.append(pending.popleft().read())
+            while pending and type(pending[0]) is CheckResult:
+                results.append(_taken(pending.popleft()))
             if pending:
                 with tf.dispatch_modes_aside():
-                    while pending[0].ready():
-                        results.append(pending.popleft().read())
+                    while True:
+                        first = pending[0]
+                        if isinstance(first, _Pending) and not first.ready():
+                            break
+                        results.append(_taken(pending.popleft()))
         except IndexError:
             pass  # empty, or another thread's pass (two backward threads) took the last one
         return results
@@ -471,6 +464,10 @@ class GradCheck:
         self._deaths = 0
         self._pending.clear()
         self.lost = False
+
+
+def _taken(pending: _Pending | CheckResult) -> CheckResult:
+    return pending.read() if isinstance(pending, _Pending) else pending
 
 
 def _readable(grad: torch.Tensor) -> torch.Tensor | None:
@@ -549,8 +546,10 @@ def _read(pending: _Pending) -> CheckResult:
     return CheckResult(pending.pass_index, pending.kind, len(values), nonfinite, norm)
 
 
-def merge(results: Iterable[CheckResult]) -> list[CheckResult]:
+def merge(results: list[CheckResult]) -> list[CheckResult]:
     """One result per pass when a pass spanned several devices."""
+    if len(results) == 1:
+        return results
     merged: dict[int, CheckResult] = {}
     for result in results:
         previous = merged.get(result.pass_index)
