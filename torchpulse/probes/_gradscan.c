@@ -35,12 +35,13 @@ enum { SKIP, ANSWERED_FINITE, ANSWERED_NONFINITE, SCAN, LEFT };
 static int hook_answer(const Answers *answers, PyObject *param, PyObject *grad) {
     const Answer *answer = answers_find(answers, param);
     if (answer == NULL || answer->grad != grad) return LEFT;
+    int found = answer->found; /* read now: torch's code below may run Python that changes the table */
     PyObject *hooks = PyObject_GetAttr(param, s_post_accumulate_grad_hooks);
     if (hooks == NULL) return -1;
     Py_ssize_t count = hooks == Py_None ? 0 : PyObject_Length(hooks);
     Py_DECREF(hooks);
     if (count < 0) return -1;
-    return count > 1 ? LEFT : answer->found ? ANSWERED_NONFINITE : ANSWERED_FINITE;
+    return count > 1 ? LEFT : found ? ANSWERED_NONFINITE : ANSWERED_FINITE;
 }
 
 /* What to do with one parameter's gradient; for SCAN, its span, and the gradient itself in *held
@@ -85,14 +86,14 @@ static PyObject *check(PyObject *self, PyObject *args) {
     PyObject **held = PyMem_Calloc(slots, sizeof(*held)); /* the gradients to scan, kept alive */
     unsigned char *found = PyMem_Calloc(4 * slots, 1), *verdict = PyMem_Calloc(slots, 1);
     Job jobs[4];
-    for (int f = F16; f <= F64; f++)
-        jobs[f] = (Job){f, 0, address + f * slots, elements + f * slots, 0, found + f * slots, 1};
     PyObject *result = NULL, *nonfinite = NULL, *left = NULL;
     Py_ssize_t checked = 0;
     if (address == NULL || elements == NULL || index == NULL || held == NULL || found == NULL || verdict == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    for (int f = F16; f <= F64; f++)
+        jobs[f] = (Job){f, 0, address + f * slots, elements + f * slots, 0, found + f * slots, 1};
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *ref = PyList_GET_ITEM(refs, i);
         if (!PyWeakref_Check(ref)) {
@@ -149,8 +150,9 @@ done:
 
 /* A post-accumulate-grad hook for parameters of one scan format and element size (which tell the
  * scan dtypes apart). While armed, it scans the gradient the engine has just accumulated and
- * leaves (gradient, holds NaN/Inf) for the parameter in its Answers. It never raises into the engine (that
- * would fail the job's backward pass): a gradient it cannot read is left to the end of the pass. */
+ * leaves (gradient, holds NaN/Inf) for the parameter in its Answers. It never raises into the
+ * engine (that would fail the job's backward pass): a gradient it cannot read is left to the end
+ * of the pass. */
 typedef struct {
     PyObject_HEAD
     int format;
@@ -174,6 +176,7 @@ static double now(int clock) {
 }
 
 static int hook_scan(Hook *self, PyObject *param) {
+    if (self->answers == NULL) return 0; /* made without __init__: nowhere to answer */
     PyObject *grad = PyObject_GetAttr(param, s_grad);
     if (grad == NULL) return -1;
     Span span;
