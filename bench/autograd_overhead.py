@@ -11,6 +11,9 @@ machine load hits every configuration alike:
                 floor of the machine during this run
 - default:      pass counting, node timing every 100th pass, non-finite check
 - every_pass:   node timing on every pass
+- every_pass_py: the same with the Python node hooks (the logging mode's, and
+                what runs where the C module `_nodeclock` was not built);
+                only where it was built
 - torch_debug:  torch's own logging hooks (`torch.autograd.graph` at DEBUG)
 - read_grads:   no probe; the step reads every gradient once after backward,
                 as the default check does (the C scan `_gradscan` where it was
@@ -51,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import median_interval
+from torchpulse.probes import autograd_nodes
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.autograd import AutogradProbe
 from torchpulse.probes.autograd_nonfinite import _SCAN_FORMATS, _gradscan, scan_threads
@@ -112,6 +116,17 @@ class SelfTime:
         return timed
 
 
+class _PythonNodeHooks(AbstractContextManager[None]):
+    """Sampled passes are timed by the Python node hooks inside the block."""
+
+    def __enter__(self) -> None:
+        self.saved = autograd_nodes._nodeclock
+        autograd_nodes._nodeclock = None
+
+    def __exit__(self, *_exc: object) -> None:
+        autograd_nodes._nodeclock = self.saved
+
+
 def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
     """A real agent without a sender thread; records are drained inside the timed step."""
     config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=(),
@@ -157,7 +172,7 @@ def make_step(clock: Callable[[], float]) -> Callable[[bool], float]:
 def _report(clock: str, times: dict[str, list[float]], names: list[str]) -> None:
     off = times["off"]
     print(f"-- {clock}")
-    print(f"{'config':<12} {'median ms':>10} {'paired ratio':>13} {'95% interval':>16} "
+    print(f"{'config':<14} {'median ms':>10} {'paired ratio':>13} {'95% interval':>16} "
           f"{'ratio of medians':>17} {'ratio of p10':>13} {'target':>7}")
     for name in names[1:]:
         ratios = [t / o for t, o in zip(times[name], off, strict=True)]
@@ -165,7 +180,7 @@ def _report(clock: str, times: dict[str, list[float]], names: list[str]) -> None
         of_medians = statistics.median(times[name]) / statistics.median(off)
         of_p10 = _p10(times[name]) / _p10(off)
         target = f"<={TARGETS[name]}" if name in TARGETS else "-"
-        print(f"{name:<12} {statistics.median(times[name]) * 1e3:>10.1f} {statistics.median(ratios):>13.4f} "
+        print(f"{name:<14} {statistics.median(times[name]) * 1e3:>10.1f} {statistics.median(ratios):>13.4f} "
               f"{low:>7.4f}-{high:<8.4f} {of_medians:>17.4f} {of_p10:>13.4f} {target:>7}")
 
 
@@ -196,6 +211,10 @@ def main() -> int:
         "read_grads": (None, None, nullcontext),
     }
     self_times = {"default": SelfTime(default_probe, clock), "every_pass": SelfTime(every_probe, clock)}
+    if autograd_nodes._nodeclock is not None:
+        every_py_agent, every_py_probe = make_probe(sample_every="1")
+        configs["every_pass_py"] = (every_py_probe, every_py_agent, _PythonNodeHooks)
+        self_times["every_pass_py"] = SelfTime(every_py_probe, clock)
     names = list(configs)
     read_seconds = 0.0  # the read_grads arm's reads, by `clock`
     wall: dict[str, list[float]] = {name: [] for name in names}
@@ -258,17 +277,20 @@ def main() -> int:
     # Each probe must have seen exactly the steps of its own arm (warm-up included), and none of the others.
     arm_steps = args.warmup + args.rounds
     checks = []
-    for name, agent in (("default", default_agent), ("every_pass", every_agent)):
+    for name, (probe, agent, _context) in configs.items():
+        if probe is None or agent is None:
+            continue
         agent.drain()
         passes = agent.store.value("backward_passes_total", ("backward",)) or 0
         sampled = agent.store.value("autograd_sampled_passes_total", ()) or 0
-        expected_sampled = arm_steps if name == "every_pass" else None
+        expected_sampled = arm_steps if name.startswith("every_pass") else None
         good = passes == arm_steps and (expected_sampled is None or sampled == expected_sampled)
         checks.append(good)
         print(f"{name} probe: {passes:.0f} passes, {sampled:.0f} timed; its arm ran {arm_steps} steps "
               f"({'ok' if good else 'MISMATCH: the arms are not what they claim'})")
-    for probe in (default_probe, every_probe):
-        probe.uninstall()
+    for probe, _agent, _context in configs.values():
+        if probe is not None:
+            probe.uninstall()
     return 0 if all(checks) else 1
 
 if __name__ == "__main__":

@@ -59,3 +59,24 @@ def span_reader(way: str) -> Iterator[None]:
         yield
     finally:
         module.use_torch_shim(autograd_nonfinite._shim_codes() if was_on else None)
+
+
+HOOK_KINDS = ("c", "python")
+
+
+@contextmanager
+def timing_hooks(kind: str) -> Iterator[None]:
+    """Sampled passes are timed by the C hooks ("c", where `_nodeclock` was built) or by the Python
+    ones ("python", the logging mode's and the fallback) inside the block."""
+    from torchpulse.probes import autograd_nodes
+
+    assert kind in HOOK_KINDS
+    saved = autograd_nodes._nodeclock
+    if kind == "c" and saved is None:
+        pytest.skip("the C module _nodeclock was not built: the Python hooks time every node")
+    if kind == "python":
+        autograd_nodes._nodeclock = None
+    try:
+        yield
+    finally:
+        autograd_nodes._nodeclock = saved

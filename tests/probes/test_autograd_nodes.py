@@ -7,9 +7,17 @@ import logging
 import re
 import statistics
 
+import pytest
 import torch
 
-from tests.probes.autograd_support import autograd_agent, events, node_values, tiny_transformer
+from tests.probes.autograd_support import (
+    HOOK_KINDS,
+    autograd_agent,
+    events,
+    node_values,
+    timing_hooks,
+    tiny_transformer,
+)
 from torchpulse.probes.autograd_nodes import format_grad_outputs, iter_graph, roots_of
 
 # Node hooks time the nodes, not the engine between them: on this CPU model the
@@ -18,12 +26,13 @@ from torchpulse.probes.autograd_nodes import format_grad_outputs, iter_graph, ro
 MIN_NODE_SHARE = 0.5
 
 
-def test_sampled_pass_times_nodes_of_a_transformer_consistently_with_the_pass() -> None:
+@pytest.mark.parametrize("hooks", HOOK_KINDS)
+def test_sampled_pass_times_nodes_of_a_transformer_consistently_with_the_pass(hooks: str) -> None:
     """AddmmBackward0 and friends appear; node sums lie within [0.5, 1] of the pass time."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with autograd_agent(sample_every="1") as agent:
+        with timing_hooks(hooks), autograd_agent(sample_every="1") as agent:
             model = tiny_transformer(d_model=128)
             x = torch.randn(4, 32, 128)
             shares = []

@@ -2,8 +2,10 @@
 
 Torch's own logging hooks (`_register_logging_hooks_on_whole_graph`) do the
 same walk but format a string per node. Here the hooks only take timestamps
-into preallocated lists indexed by the node's position in the walk; names and
-shapes are turned into labels and text later, off the hot path.
+into slots indexed by the node's position in the walk; names and shapes are
+turned into labels and text later, off the hot path. The timing hooks are C
+objects (`_nodeclock`) where that module was built; the logging mode's, which
+also describe each node's grad_outputs, and the fallback are Python.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from torchpulse.c_modules import optional_module
 from torchpulse.probes import torch_features as tf
+
+_nodeclock = optional_module("torchpulse.probes._nodeclock")
 
 # (dtype, shape) of each grad_output, None for an undefined gradient; "?" for a size a
 # strided nested tensor leaves irregular (it has no `shape`).
@@ -132,19 +137,22 @@ class PassTimer:
     """Pre- and post-hooks on every node of one pass; `finish()` removes them all.
 
     The hooks never return a value (so gradients are untouched) and never
-    raise: an internal error is stored and reported by `finish()`.
+    raise: an internal error is stored in `error`, which the probe reports.
     """
 
     def __init__(self, roots: Iterable[Node], *, detailed: bool,
                  on_parameter: Callable[[torch.Tensor], None],
                  on_cut: Callable[[], None] | None = None) -> None:
         self.detailed = detailed
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
         roots = list(roots)
         # Hooks see every graph task that runs a hooked node: another thread's pass through
         # shared parameters, a reentrant checkpoint's inner pass. Only this pass's own task is
         # timed: the one that runs a root first (no node runs before the roots in its own task).
         self._roots = len(set(roots))
+        # The C hooks keep their own slots (and decide the task the same way).
+        self._clock = (_nodeclock.Clock(self._roots, tf.graph_task_id)
+                       if _nodeclock is not None and not detailed else None)
         self._task: list[int | None] = [None]
         self._nodes: list[Node] = []
         self._handles: list[Any] = []
@@ -156,10 +164,13 @@ class PassTimer:
         try:
             for index, node in enumerate(iter_graph(roots, on_cut=on_cut)):
                 self._nodes.append(node)
-                self._starts.append(0.0)
-                self._seconds.append(0.0)
-                self._calls.append(0)
-                self._shapes.append(())
+                if self._clock is not None:
+                    self._clock.add()
+                else:
+                    self._starts.append(0.0)
+                    self._seconds.append(0.0)
+                    self._calls.append(0)
+                    self._shapes.append(())
                 variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter
                 if isinstance(variable, torch.Tensor):
                     on_parameter(variable)
@@ -172,8 +183,9 @@ class PassTimer:
     @classmethod
     def keep_dynamo_out(cls) -> None:
         """Have Dynamo skip every timer's hook frames (under a compiled step the engine runs them
-        with Dynamo on); skipping goes by code object, so one sample of each hook does it."""
-        sample = cls((), detailed=False, on_parameter=lambda _param: None)
+        with Dynamo on); skipping goes by code object, so one sample of each Python hook does it
+        (the C hooks have no frame)."""
+        sample = cls((), detailed=True, on_parameter=lambda _param: None)
         tf.skip_tracing(sample._make_prehook(0))
         tf.skip_tracing(sample._make_posthook(0))
 
@@ -181,7 +193,16 @@ class PassTimer:
     def node_count(self) -> int:
         return len(self._nodes)
 
+    @property
+    def error(self) -> BaseException | None:
+        """The first error a hook met (it raised nothing into the pass)."""
+        if self._clock is not None:
+            return self._clock.error  # type: ignore[no-any-return]
+        return self._error
+
     def _make_prehook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
+        if self._clock is not None:
+            return self._clock.prehook(index)  # type: ignore[no-any-return]
         starts, shapes, detailed, own = self._starts, self._shapes, self.detailed, self._task
         clock, task_id, root = time.perf_counter, tf.graph_task_id, index < self._roots
 
@@ -207,11 +228,14 @@ class PassTimer:
                     shapes[index] = tuple(described)
                 starts[index] = clock()
             except Exception as exc:  # a hook that raises would fail the user's backward
-                self.error = exc
+                if self._error is None:
+                    self._error = exc
 
         return prehook
 
     def _make_posthook(self, index: int) -> Callable[[Any, Any], None]:
+        if self._clock is not None:
+            return self._clock.posthook(index)  # type: ignore[no-any-return]
         starts, seconds, calls, order, clock = (
             self._starts, self._seconds, self._calls, self._order, time.perf_counter)
         own, task_id = self._task, tf.graph_task_id
@@ -225,7 +249,8 @@ class PassTimer:
                 calls[index] += 1
                 order.append((index, elapsed))
             except Exception as exc:
-                self.error = exc
+                if self._error is None:
+                    self._error = exc
 
         return posthook
 
@@ -237,17 +262,18 @@ class PassTimer:
     def finish(self, slowest_kept: int) -> PassTiming:
         """Unhook every node and summarize; drops the references to the graph."""
         self.remove()
+        calls, seconds = self._clock.totals() if self._clock is not None else (self._calls, self._seconds)
         totals: dict[str, list[float]] = {}
         timed: list[NodeTime] = []
         executions: list[NodeTime] = []
         for index, node in enumerate(self._nodes):
-            if not self._calls[index]:
+            if not calls[index]:
                 continue
             name = node_type(node)
             entry = totals.setdefault(name, [0, 0.0])
-            entry[0] += self._calls[index]
-            entry[1] += self._seconds[index]
-            timed.append(NodeTime(name, sequence_nr(node), self._seconds[index]))
+            entry[0] += calls[index]
+            entry[1] += seconds[index]
+            timed.append(NodeTime(name, sequence_nr(node), seconds[index]))
         if self.detailed:
             for index, elapsed in self._order:
                 node = self._nodes[index]
@@ -259,5 +285,5 @@ class PassTimer:
             totals=tuple((name, int(calls), seconds) for name, (calls, seconds) in totals.items()),
             slowest=tuple(timed[:slowest_kept]),
             executions=tuple(executions),
-            node_seconds=sum(seconds for _, seconds in totals.values()),
+            node_seconds=sum(total for _, total in totals.values()),
         )
