@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import threading
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.probes.autograd_support import timing_hooks, tiny_transformer
+from tests.probes.autograd_support import autograd_agent, timing_hooks, tiny_transformer
 from torchpulse.probes.autograd_nodes import PassTimer, PassTiming, _nodeclock, node_type, roots_of
 
 pytestmark = pytest.mark.skipif(_nodeclock is None, reason="the C module _nodeclock was not built")
@@ -143,3 +144,19 @@ def test_node_types_of_the_c_timing_are_named_as_torch_names_them() -> None:
     names = {name for name, _calls, _seconds in timer.finish(slowest_kept=1).totals}
     assert {"SumBackward0", "CheckpointFunctionBackward", "AccumulateGrad"} == names
     assert "CheckpointFunctionBackward" == node_type(out.grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("hooks", ["c", "python"])
+def test_status_says_what_times_the_nodes_and_the_python_hooks_are_logged_once_at_install(
+        hooks: str, caplog: pytest.LogCaptureFixture) -> None:
+    """`torchpulse status` names the hooks; a probe installed without the C module says why, once."""
+    caplog.set_level(logging.INFO, logger="torchpulse")
+    with timing_hooks(hooks), autograd_agent() as agent:
+        status = agent.probes["autograd"].status()["node_timing"]
+    slower = [r.getMessage() for r in caplog.records if "times nodes the slower way" in r.getMessage()]
+    if hooks == "c":
+        assert ("C hooks (Python hooks on logged passes)", []) == (status, slower)
+    else:
+        reason = "the C module _nodeclock was not built"
+        expected = f"torchpulse: autograd probe times nodes the slower way (reason='{reason}')"
+        assert (f"Python hooks ({reason})", [expected]) == (status, slower)

@@ -37,6 +37,8 @@ from torchpulse.probes.autograd_nodes import (
     format_grad_outputs,
     iter_graph,
     roots_of,
+    timing_hooks,
+    timing_limits,
 )
 from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge, scan_limits
 from torchpulse.probes.base import Probe
@@ -165,6 +167,7 @@ class AutogradProbe(Probe):
             "logging_passes_left": self._log_left,
             "parameters_checked": self._check.known,
             "cpu_gradient_reader": self._check.cpu_reader,
+            "node_timing": timing_hooks(),
             "last_sampled_pass": None if sample is None else {
                 "pass_index": sample.pass_index, "kind": sample.kind, "seconds": sample.seconds,
                 "node_seconds": sample.node_seconds,
@@ -195,6 +198,8 @@ class AutogradProbe(Probe):
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
             self._keep(self._check)  # the C hooks it places on parameters
+        if (limits := timing_limits()) is not None:
+            log.info("autograd probe times nodes the slower way", reason=limits)
         self._start_counters_at_zero()
 
     def _start_counters_at_zero(self) -> None:

@@ -64,6 +64,17 @@ class PassTiming:
     node_seconds: float
 
 
+def timing_limits() -> str | None:
+    """Why sampled passes are timed by the slower Python hooks, or None where the C ones run."""
+    return "the C module _nodeclock was not built" if _nodeclock is None else None
+
+
+def timing_hooks() -> str:
+    """What times the nodes of a sampled pass, for `torchpulse status`."""
+    limits = timing_limits()
+    return f"Python hooks ({limits})" if limits else "C hooks (Python hooks on logged passes)"
+
+
 def node_type(node: Node) -> str:
     """`torch::autograd::AccumulateGrad` -> `AccumulateGrad`; Python nodes keep their class name."""
     return node.name().rpartition("::")[2]
