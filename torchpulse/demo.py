@@ -12,12 +12,15 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torchpulse.daemon.client import format_status, request_status
 from torchpulse.summary import (
     format_checkpoint_saves,
     format_checkpoints,
+    format_node_times,
     format_probe_table,
     format_table,
     summarize,
@@ -72,19 +75,28 @@ def crash_an_overwrite(checkpoint: Path) -> Path:
     return shard
 
 
-def _save_failures_logged(log: Path) -> list[str]:
-    """The daemon's `checkpoint save failed` events (JSON lines: its stderr is a file), one line per rank."""
+def _logged(log: Path, event: str, describe: Callable[[dict[str, Any]], str]) -> list[str]:
+    """The daemon's `event` lines (JSON lines: its stderr is a file), described one per line, by rank."""
     lines: list[tuple[str, str]] = []
     for text in log.read_text(errors="replace").splitlines():
         try:
             entry = json.loads(text)
         except ValueError:
             continue
-        if isinstance(entry, dict) and entry.get("event") == "checkpoint save failed":
-            lines.append((str(entry.get("rank")), f"rank {entry.get('rank')} {entry.get('level')}: {entry.get('api')} "
-                          f"to {entry.get('path')} raised {entry.get('error')}: {entry.get('message')}"))
-    # The job's exception text, as the daemon logged it: escaped before it reaches the terminal.
+        if isinstance(entry, dict) and entry.get("event") == event:
+            lines.append((str(entry.get("rank")), f"rank {entry.get('rank')} {entry.get('level')}: {describe(entry)}"))
+    # What the job sent (exception text, parameter names), as the daemon logged it: escaped before it
+    # reaches the terminal.
     return [printable(line) for _rank, line in sorted(lines)]
+
+
+def _save_failure(entry: dict[str, Any]) -> str:
+    return f"{entry.get('api')} to {entry.get('path')} raised {entry.get('error')}: {entry.get('message')}"
+
+
+def _nonfinite(entry: dict[str, Any]) -> str:
+    return (f"pass {entry.get('pass_index')} ({entry.get('kind')}): non-finite gradients in "
+            f"{entry.get('parameters')} of {entry.get('checked')} parameters: {entry.get('names')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,10 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows))
         print("\n== what the autograd and compile probes saw\n")
         print(format_probe_table(rows))
+        for line in _logged(log, "autograd.nonfinite_gradients", _nonfinite):
+            print(f"   daemon log: {line}")
+        print("\n== where backward time goes: node types timed on sampled passes (the first pass, then about\n"
+              "   every 100th: TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY), slowest first\n")
+        print(format_node_times(exposition))
         print("\n== checkpoint saves the probe counted (the failure is the job's deliberate one; alert: "
               "CheckpointSaveFailed)\n")
         print(format_checkpoint_saves(rows))
-        for line in _save_failures_logged(log):
+        for line in _logged(log, "checkpoint save failed", _save_failure):
             print(f"   daemon log: {line}")
         print("\n== checkpoints, validated by the daemon (torchpulse check PATH does the same by hand)\n")
         print(format_checkpoints(exposition))

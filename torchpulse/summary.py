@@ -149,6 +149,32 @@ def format_probe_table(rows: list[RankSummary]) -> str:
     return _table(header, body)
 
 
+def format_node_times(exposition: str, top: int = 3) -> str:
+    """Per rank: how many passes were timed node by node, and the `top` node types by time."""
+    seconds: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    calls: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    sampled: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = sample.labels
+            if "run" not in labels or "rank" not in labels:
+                continue
+            key = (labels["run"], labels["rank"])
+            if sample.name == "torchpulse_autograd_sampled_passes_total":
+                sampled[key] = sample.value
+            elif sample.name == "torchpulse_autograd_node_seconds_total":
+                seconds[key][labels.get("node", "?")] = sample.value
+            elif sample.name == "torchpulse_autograd_node_calls_total":
+                calls[key][labels.get("node", "?")] = sample.value
+    header = ("run", "rank", "sampled passes", f"slowest {top} node types (time, calls)")
+    body = []
+    for key in sorted(sampled, key=lambda k: (k[0], int(k[1]) if k[1].isdigit() else 0)):
+        by_time = sorted(seconds[key].items(), key=lambda item: item[1], reverse=True)[:top]
+        slowest = ", ".join(f"{node} {_seconds(value)} x{calls[key].get(node, 0):.0f}" for node, value in by_time)
+        body.append((*key, f"{sampled[key]:.0f}", slowest or "-"))
+    return _table(header, body) if body else "no sampled passes"
+
+
 def format_checkpoint_saves(rows: list[RankSummary]) -> str:
     """What the checkpoint probe counted, per rank: saves that returned and saves that raised."""
     header = ("run", "rank", "saves", "failed saves", "failures by api and error")

@@ -7,6 +7,7 @@ import math
 from torchpulse.summary import (
     format_checkpoint_saves,
     format_checkpoints,
+    format_node_times,
     format_probe_table,
     format_table,
     summarize,
@@ -64,3 +65,33 @@ def test_checkpoint_saves_and_failures_are_summarized_per_rank() -> None:
             ["r", "1", "0", "3", "async_save", "OSError", "x2,", "save", "NotADirectoryError", "x1"]] == [
         line.split() for line in lines[2:]]
     assert "no checkpoint saves" == format_checkpoint_saves(summarize(BUCKETS_ONLY))
+
+
+NODE_TIMES = """\
+# HELP torchpulse_autograd_sampled_passes_total Passes timed node by node.
+# TYPE torchpulse_autograd_sampled_passes_total counter
+torchpulse_autograd_sampled_passes_total{run="r",rank="10"} 3.0
+torchpulse_autograd_sampled_passes_total{run="r",rank="2"} 1.0
+# HELP torchpulse_autograd_node_seconds_total Time in nodes of sampled passes.
+# TYPE torchpulse_autograd_node_seconds_total counter
+torchpulse_autograd_node_seconds_total{run="r",rank="10",node="AccumulateGrad"} 0.002
+torchpulse_autograd_node_seconds_total{run="r",rank="10",node="AddmmBackward0"} 0.0125
+torchpulse_autograd_node_seconds_total{run="r",rank="10",node="other"} 0.004
+torchpulse_autograd_node_seconds_total{run="r",rank="10",node="MmBackward0"} 0.001
+torchpulse_autograd_node_seconds_total{run="r",rank="2",node="AddmmBackward0"} 1.5
+# HELP torchpulse_autograd_node_calls_total Node executions in sampled passes.
+# TYPE torchpulse_autograd_node_calls_total counter
+torchpulse_autograd_node_calls_total{run="r",rank="10",node="AccumulateGrad"} 81.0
+torchpulse_autograd_node_calls_total{run="r",rank="10",node="AddmmBackward0"} 21.0
+torchpulse_autograd_node_calls_total{run="r",rank="10",node="other"} 9.0
+torchpulse_autograd_node_calls_total{run="r",rank="10",node="MmBackward0"} 6.0
+torchpulse_autograd_node_calls_total{run="r",rank="2",node="AddmmBackward0"} 7.0
+"""
+
+
+def test_node_times_show_the_slowest_types_per_rank_in_rank_order() -> None:
+    """Ranks in numeric order; the top 3 node types by time (other included), slowest first, with calls."""
+    rows = [line.split(None, 3) for line in format_node_times(NODE_TIMES).splitlines()[2:]]
+    assert [["r", "2", "1", "AddmmBackward0 1.50 s x7"],
+            ["r", "10", "3", "AddmmBackward0 12.50 ms x21, other 4.00 ms x9, AccumulateGrad 2.00 ms x81"]] == rows
+    assert "no sampled passes" == format_node_times(SAVES)
