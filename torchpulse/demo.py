@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   daemon log: {line}")
         print("\n== where backward time goes: node types timed on sampled passes (the first pass, then about\n"
               "   every 100th: TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY), slowest first\n")
-        print(format_node_times(exposition))
+        print(format_node_times(rows))
         print("\n== checkpoint saves the probe counted (the failure is the job's deliberate one; alert: "
               "CheckpointSaveFailed)\n")
         print(format_checkpoint_saves(rows))

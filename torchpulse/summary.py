@@ -45,6 +45,9 @@ class RankSummary:
     checkpoint_saves: float = 0.0
     # Failed checkpoint saves by "api error".
     save_failures: dict[str, float] = field(default_factory=dict)
+    # Sampled autograd passes: seconds and calls by node type.
+    node_seconds: dict[str, float] = field(default_factory=dict)
+    node_calls: dict[str, float] = field(default_factory=dict)
 
     @property
     def p50(self) -> float:
@@ -96,6 +99,10 @@ def summarize(exposition: str) -> list[RankSummary]:
                 failures = of(labels).save_failures
                 failure = f"{labels.get('api', '?')} {labels.get('error', '?')}"
                 failures[failure] = failures.get(failure, 0.0) + sample.value
+            elif name == "torchpulse_autograd_node_seconds_total":
+                of(labels).node_seconds[labels.get("node", "?")] = sample.value
+            elif name == "torchpulse_autograd_node_calls_total":
+                of(labels).node_calls[labels.get("node", "?")] = sample.value
             elif name.endswith("_total") or family.type == "gauge":
                 extra = of(labels).extra
                 extra[name] = extra.get(name, 0.0) + sample.value
@@ -149,29 +156,16 @@ def format_probe_table(rows: list[RankSummary]) -> str:
     return _table(header, body)
 
 
-def format_node_times(exposition: str, top: int = 3) -> str:
+def format_node_times(rows: list[RankSummary], top: int = 3) -> str:
     """Per rank: how many passes were timed node by node, and the `top` node types by time."""
-    seconds: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    calls: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    sampled: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            labels = sample.labels
-            if "run" not in labels or "rank" not in labels:
-                continue
-            key = (labels["run"], labels["rank"])
-            if sample.name == "torchpulse_autograd_sampled_passes_total":
-                sampled[key] = sample.value
-            elif sample.name == "torchpulse_autograd_node_seconds_total":
-                seconds[key][labels.get("node", "?")] = sample.value
-            elif sample.name == "torchpulse_autograd_node_calls_total":
-                calls[key][labels.get("node", "?")] = sample.value
     header = ("run", "rank", "sampled passes", f"slowest {top} node types (time, calls)")
     body = []
-    for key in sorted(sampled, key=lambda k: (k[0], int(k[1]) if k[1].isdigit() else 0)):
-        by_time = sorted(seconds[key].items(), key=lambda item: item[1], reverse=True)[:top]
-        slowest = ", ".join(f"{node} {_seconds(value)} x{calls[key].get(node, 0):.0f}" for node, value in by_time)
-        body.append((*key, f"{sampled[key]:.0f}", slowest or "-"))
+    for r in rows:
+        if "torchpulse_autograd_sampled_passes_total" not in r.extra:
+            continue
+        by_time = sorted(r.node_seconds.items(), key=lambda item: item[1], reverse=True)[:top]
+        slowest = ", ".join(f"{node} {_seconds(value)} x{r.node_calls.get(node, 0):.0f}" for node, value in by_time)
+        body.append((r.run, r.rank, _count(r, "torchpulse_autograd_sampled_passes_total"), slowest or "-"))
     return _table(header, body) if body else "no sampled passes"
 
 

@@ -91,7 +91,7 @@ torchpulse_autograd_node_calls_total{run="r",rank="2",node="AddmmBackward0"} 7.0
 
 def test_node_times_show_the_slowest_types_per_rank_in_rank_order() -> None:
     """Ranks in numeric order; the top 3 node types by time (other included), slowest first, with calls."""
-    rows = [line.split(None, 3) for line in format_node_times(NODE_TIMES).splitlines()[2:]]
+    rows = [line.split(None, 3) for line in format_node_times(summarize(NODE_TIMES)).splitlines()[2:]]
     assert [["r", "2", "1", "AddmmBackward0 1.50 s x7"],
             ["r", "10", "3", "AddmmBackward0 12.50 ms x21, other 4.00 ms x9, AccumulateGrad 2.00 ms x81"]] == rows
-    assert "no sampled passes" == format_node_times(SAVES)
+    assert "no sampled passes" == format_node_times(summarize(SAVES))
