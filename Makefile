@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint bench fuzz clean
 
-# The C parts are built at install: a change to one reinstalls.
+# The daemon's C parts are built at install: a change to one reinstalls.
 $(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c) $(wildcard torchpulse/*/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -23,7 +23,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check torchpulse tests bench
+	$(VENV)/bin/ruff check torchpulse tests bench fuzz
+	$(VENV)/bin/ruff format --check torchpulse tests bench fuzz
 	$(VENV)/bin/mypy
 
 # None is a timed test: the overhead benchmarks print ratios measured side by side in one run, the others

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.probes.autograd_support import HOOK_KINDS, autograd_agent, events, node_values, passes, timing_hooks
+from tests.probes.autograd_support import autograd_agent, events, node_values, passes
 from torchpulse.probes.autograd_nodes import MAX_GRAPH_DEPTH, iter_graph, roots_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,14 +54,13 @@ def test_iter_graph_stops_at_max_depth_and_says_so_once() -> None:
     assert ["SumBackward0", "NegBackward0", "ExpBackward0", "MulBackward0", "torch::autograd::AccumulateGrad"] == full
 
 
-@pytest.mark.parametrize("hooks", HOOK_KINDS)
-def test_two_threads_training_one_model_each_time_only_their_own_pass(hooks: str) -> None:
+def test_two_threads_training_one_model_each_time_only_their_own_pass() -> None:
     """Hooks on shared AccumulateGrad nodes see the other thread's pass too: counting its executions
     inflated calls, and a post-hook without this pass's pre-hook timed a node from the clock's origin."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with timing_hooks(hooks), autograd_agent(sample_every="1") as agent:
+        with autograd_agent(sample_every="1") as agent:
             torch.manual_seed(0)
             model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(10)])
             x = torch.randn(8, 32)
@@ -88,11 +87,10 @@ def test_two_threads_training_one_model_each_time_only_their_own_pass(hooks: str
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("hooks", HOOK_KINDS)
-def test_a_parameter_used_inside_and_outside_a_reentrant_checkpoint_is_one_call_per_pass(hooks: str) -> None:
+def test_a_parameter_used_inside_and_outside_a_reentrant_checkpoint_is_one_call_per_pass() -> None:
     """The inner pass of a reentrant checkpoint runs the shared AccumulateGrad too: its time is the
     checkpoint node's, so the outer pass counts that node once, as torch runs it once in its task."""
-    with timing_hooks(hooks), autograd_agent(sample_every="1") as agent:
+    with autograd_agent(sample_every="1") as agent:
         layer = torch.nn.Linear(4, 4)
         x = torch.randn(2, 4)
         for _ in range(3):

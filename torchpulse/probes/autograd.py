@@ -37,10 +37,8 @@ from torchpulse.probes.autograd_nodes import (
     format_grad_outputs,
     iter_graph,
     roots_of,
-    timing_hooks,
-    timing_limits,
 )
-from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge, scan_limits
+from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
 from torchpulse.probes.base import Probe
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
@@ -114,7 +112,7 @@ class AutogradProbe(Probe):
         self._passes = 0
         self._discovered = False
         self._lost_search_at = -LOST_SEARCH_EVERY
-        self._check = GradCheck(self.config.max_pending_checks, norms=self.config.grad_norm)
+        self._check = GradCheck(self.config.max_pending_checks)
         # Optimizer -> parameter groups already tracked: graph walks find parameters only on
         # sampled passes, so a second model (a GAN's generator, a rebuilt model) or the inside
         # of a reentrant checkpoint would go unchecked for up to N passes, or for ever.
@@ -166,8 +164,6 @@ class AutogradProbe(Probe):
             "sample_every": self._sample_every,
             "logging_passes_left": self._log_left,
             "parameters_checked": self._check.known,
-            "cpu_gradient_reader": self._check.cpu_reader,
-            "node_timing": timing_hooks(),
             "last_sampled_pass": None if sample is None else {
                 "pass_index": sample.pass_index, "kind": sample.kind, "seconds": sample.seconds,
                 "node_seconds": sample.node_seconds,
@@ -192,14 +188,8 @@ class AutogradProbe(Probe):
 
             for feature in tf.missing("dispatch_modes_aside"):
                 log.warning("autograd probe runs without a torch feature", feature=feature.name, reason=feature.reason)
-            limits = None if self.config.grad_norm else scan_limits()
-            if limits is not None:
-                log.info("autograd probe reads CPU gradients the slower way", reason=limits)
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
-            self._keep(self._check)  # the C hooks it places on parameters
-        if (limits := timing_limits()) is not None:
-            log.info("autograd probe times nodes the slower way", reason=limits)
         self._start_counters_at_zero()
 
     def _start_counters_at_zero(self) -> None:
@@ -252,8 +242,7 @@ class AutogradProbe(Probe):
 
         @functools.wraps(original)
         def _engine_run_backward(t_outputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
-            # AOTAutograd traces the joint graph through here at compile time. A probe switched
-            # off leaves the gradient check's hooks disarmed (~0.2 µs each a pass).
+            # AOTAutograd traces the joint graph through here at compile time.
             if not (probe.enabled and agent.enabled) or is_compiling():
                 return original(t_outputs, *args, **kwargs)
             callback = probe._dynamo_callback
@@ -313,12 +302,6 @@ class AutogradProbe(Probe):
         if self._log_left > 0 and not compiled:
             self._log_left -= 1
         plan.sampled = not compiled and due and self._sample_every > 0
-        if compiled:
-            self._check.stop_hooking()  # compiled autograd would trace the C hooks into its graph
-        elif accumulate and self.config.nonfinite and not (plan.sampled or plan.logged):
-            # Scan gradients as they are accumulated (not on timed passes: the scans would be
-            # timed as part of AccumulateGrad).
-            self._check.arm()
         # A dropped model's parameters died: search this pass for a rebuilt one (not more often
         # than every few passes, for jobs that make new Parameters every step).
         lost = accumulate and self._check.lost and plan.index - self._lost_search_at >= LOST_SEARCH_EVERY
@@ -377,9 +360,6 @@ class AutogradProbe(Probe):
                 self.agent.record(self._on_checked, merge(results))
         except Exception as exc:  # never into the job; the pass itself already finished
             self.fail(exc)
-        finally:
-            if plan.kind != "reentrant":  # a pass inside a node leaves the outer pass's hooks armed
-                self._check.disarm()
 
     # -- sender thread ------------------------------------------------------
     def _on_pass(self, kind: str, seconds: float) -> None:

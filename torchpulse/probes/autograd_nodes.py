@@ -3,9 +3,8 @@
 Torch's own logging hooks (`_register_logging_hooks_on_whole_graph`) do the
 same walk but format a string per node. Here the hooks only take timestamps
 into slots indexed by the node's position in the walk; names and shapes are
-turned into labels and text later, off the hot path. The timing hooks are C
-objects (`_nodeclock`) where that module was built; the logging mode's, which
-also describe each node's grad_outputs, and the fallback are Python.
+turned into labels and text later, off the hot path. The hooks are Python
+closures: nothing compiled runs inside the training process.
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from torchpulse.c_modules import optional_module
 from torchpulse.probes import torch_features as tf
-
-_nodeclock = optional_module("torchpulse.probes._nodeclock")
 
 # (dtype, shape) of each grad_output, None for an undefined gradient; "?" for a size a
 # strided nested tensor leaves irregular (it has no `shape`).
@@ -62,17 +58,6 @@ class PassTiming:
     slowest: tuple[NodeTime, ...]
     executions: tuple[NodeTime, ...]  # detailed mode only, in execution order
     node_seconds: float
-
-
-def timing_limits() -> str | None:
-    """Why sampled passes are timed by the slower Python hooks, or None where the C ones run."""
-    return "the C module _nodeclock was not built" if _nodeclock is None else None
-
-
-def timing_hooks() -> str:
-    """What times the nodes of a sampled pass, for `torchpulse status`."""
-    limits = timing_limits()
-    return f"Python hooks ({limits})" if limits else "C hooks (Python hooks on logged passes)"
 
 
 def node_type(node: Node) -> str:
@@ -161,9 +146,6 @@ class PassTimer:
         # shared parameters, a reentrant checkpoint's inner pass. Only this pass's own task is
         # timed: the one that runs a root first (no node runs before the roots in its own task).
         self._roots = len(set(roots))
-        # The C hooks keep their own slots (and decide the task the same way).
-        self._clock = (_nodeclock.Clock(self._roots, tf.graph_task_id)
-                       if _nodeclock is not None and not detailed else None)
         self._task: list[int | None] = [None]
         self._nodes: list[Node] = []
         self._handles: list[Any] = []
@@ -175,13 +157,10 @@ class PassTimer:
         try:
             for index, node in enumerate(iter_graph(roots, on_cut=on_cut)):
                 self._nodes.append(node)
-                if self._clock is not None:
-                    self._clock.add()
-                else:
-                    self._starts.append(0.0)
-                    self._seconds.append(0.0)
-                    self._calls.append(0)
-                    self._shapes.append(())
+                self._starts.append(0.0)
+                self._seconds.append(0.0)
+                self._calls.append(0)
+                self._shapes.append(())
                 variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter
                 if isinstance(variable, torch.Tensor):
                     on_parameter(variable)
@@ -194,8 +173,7 @@ class PassTimer:
     @classmethod
     def keep_dynamo_out(cls) -> None:
         """Have Dynamo skip every timer's hook frames (under a compiled step the engine runs them
-        with Dynamo on); skipping goes by code object, so one sample of each Python hook does it
-        (the C hooks have no frame)."""
+        with Dynamo on); skipping goes by code object, so one sample of each hook does it."""
         sample = cls((), detailed=True, on_parameter=lambda _param: None)
         tf.skip_tracing(sample._make_prehook(0))
         tf.skip_tracing(sample._make_posthook(0))
@@ -207,13 +185,9 @@ class PassTimer:
     @property
     def error(self) -> BaseException | None:
         """The first error a hook met (it raised nothing into the pass)."""
-        if self._clock is not None:
-            return self._clock.error  # type: ignore[no-any-return]
         return self._error
 
     def _make_prehook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
-        if self._clock is not None:
-            return self._clock.prehook(index)  # type: ignore[no-any-return]
         starts, shapes, detailed, own = self._starts, self._shapes, self.detailed, self._task
         clock, task_id, root = time.perf_counter, tf.graph_task_id, index < self._roots
 
@@ -245,8 +219,6 @@ class PassTimer:
         return prehook
 
     def _make_posthook(self, index: int) -> Callable[[Any, Any], None]:
-        if self._clock is not None:
-            return self._clock.posthook(index)  # type: ignore[no-any-return]
         starts, seconds, calls, order, clock = (
             self._starts, self._seconds, self._calls, self._order, time.perf_counter)
         own, task_id = self._task, tf.graph_task_id
@@ -273,7 +245,7 @@ class PassTimer:
     def finish(self, slowest_kept: int) -> PassTiming:
         """Unhook every node and summarize; drops the references to the graph."""
         self.remove()
-        calls, seconds = self._clock.totals() if self._clock is not None else (self._calls, self._seconds)
+        calls, seconds = self._calls, self._seconds
         totals: dict[str, list[float]] = {}
         timed: list[NodeTime] = []
         executions: list[NodeTime] = []
