@@ -105,8 +105,11 @@ class SelfTime:
 
 def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
     """A real agent without a sender thread; records are drained inside the timed step."""
-    config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=(),
-                         options={f"autograd_{k}": v for k, v in options.items()})
+    config = AgentConfig(
+        socket_path=Path("/nonexistent/torchpulse.sock"),
+        probes=(),
+        options={f"autograd_{k}": v for k, v in options.items()},
+    )
     agent = Agent(config, current_identity())
     probe = AutogradProbe(agent)
     probe.install()
@@ -144,16 +147,20 @@ def make_step(clock: Callable[[], float]) -> Callable[[bool], float]:
 def _report(clock: str, times: dict[str, list[float]], names: list[str]) -> None:
     off = times["off"]
     print(f"-- {clock}")
-    print(f"{'config':<14} {'median ms':>10} {'paired ratio':>13} {'95% interval':>16} "
-          f"{'ratio of medians':>17} {'ratio of p10':>13} {'target':>7}")
+    print(
+        f"{'config':<14} {'median ms':>10} {'paired ratio':>13} {'95% interval':>16} "
+        f"{'ratio of medians':>17} {'ratio of p10':>13} {'target':>7}"
+    )
     for name in names[1:]:
         ratios = [t / o for t, o in zip(times[name], off, strict=True)]
         low, high = median_interval(ratios)
         of_medians = statistics.median(times[name]) / statistics.median(off)
         of_p10 = _p10(times[name]) / _p10(off)
         target = f"<={TARGETS[name]}" if name in TARGETS else "-"
-        print(f"{name:<14} {statistics.median(times[name]) * 1e3:>10.1f} {statistics.median(ratios):>13.4f} "
-              f"{low:>7.4f}-{high:<8.4f} {of_medians:>17.4f} {of_p10:>13.4f} {target:>7}")
+        print(
+            f"{name:<14} {statistics.median(times[name]) * 1e3:>10.1f} {statistics.median(ratios):>13.4f} "
+            f"{low:>7.4f}-{high:<8.4f} {of_medians:>17.4f} {of_p10:>13.4f} {target:>7}"
+        )
 
 
 def _p10(values: list[float]) -> float:
@@ -219,28 +226,34 @@ def main() -> int:
         for name in names[shift:] + names[:shift]:
             run(name)
 
-    print(f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
-          f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
-          f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU")
+    print(
+        f"torch {torch.__version__}, threads={args.threads}, rounds={args.rounds}, "
+        f"median step off: {statistics.median(wall['off']) * 1e3:.1f} ms wall, "
+        f"{statistics.median(cpu['off']) * 1e3:.1f} ms thread CPU"
+    )
     for label, times in (("wall", wall), ("thread CPU", cpu)):
         _report(label, times, names)
     steps = wall if args.threads > 1 else cpu  # by the clock the probe's work was timed with
     off_total = sum(steps["off"])
     for name, self_time in self_times.items():
-        print(f"{name}: probe self time (wrapper outside the engine + drain; node hooks excluded) "
-              f"= {self_time.seconds / off_total:.4%} of the off step's {clock_name}")
+        print(
+            f"{name}: probe self time (wrapper outside the engine + drain; node hooks excluded) "
+            f"= {self_time.seconds / off_total:.4%} of the off step's {clock_name}"
+        )
     # A timed pass (1 in sample_every by default) also runs node hooks inside the engine: its
     # extra cost is what every_pass adds over default on each pass, spread over the period.
     per_pass_timing = statistics.median(
-        (e - d) / o for e, d, o in zip(steps["every_pass"], steps["default"], steps["off"], strict=True))
+        (e - d) / o for e, d, o in zip(steps["every_pass"], steps["default"], steps["off"], strict=True)
+    )
     every = default_probe.config.sample_every
     implied = 1 + self_times["default"].seconds / off_total + max(0.0, per_pass_timing) / every
-    print(f"default: implied ratio {implied:.5f} (self time + 1/{every} of a timed pass's "
-          f"extra {per_pass_timing:.2%})")
+    print(f"default: implied ratio {implied:.5f} (self time + 1/{every} of a timed pass's extra {per_pass_timing:.2%})")
     # The part of the default that no every-pass check avoids: one read of every gradient.
     floor = read_seconds / off_total
-    print(f"read_grads: reading every gradient once, timed directly, = {floor:.4%} of the off step's "
-          f"{clock_name}; the default's self time beyond it: {self_times['default'].seconds / off_total - floor:.4%}")
+    print(
+        f"read_grads: reading every gradient once, timed directly, = {floor:.4%} of the off step's "
+        f"{clock_name}; the default's self time beyond it: {self_times['default'].seconds / off_total - floor:.4%}"
+    )
     # Each probe must have seen exactly the steps of its own arm (warm-up included), and none of the others.
     arm_steps = args.warmup + args.rounds
     checks = []
@@ -253,8 +266,10 @@ def main() -> int:
         expected_sampled = arm_steps if name.startswith("every_pass") else None
         good = passes == arm_steps and (expected_sampled is None or sampled == expected_sampled)
         checks.append(good)
-        print(f"{name} probe: {passes:.0f} passes, {sampled:.0f} timed; its arm ran {arm_steps} steps "
-              f"({'ok' if good else 'MISMATCH: the arms are not what they claim'})")
+        print(
+            f"{name} probe: {passes:.0f} passes, {sampled:.0f} timed; its arm ran {arm_steps} steps "
+            f"({'ok' if good else 'MISMATCH: the arms are not what they claim'})"
+        )
     for probe, _agent, _context in configs.values():
         if probe is not None:
             probe.uninstall()
@@ -264,6 +279,7 @@ def main() -> int:
         figure = implied if name == "default" else every_ratio
         print(f"{name}: {figure:.4f} against <= {TARGETS[name]}: {'ok' if ok else 'OVER BUDGET'}")
     return 0 if all(checks) and all(within.values()) else 1
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -146,15 +146,21 @@ def bench_data(tmp: Path, size_gb: float, rounds: int) -> None:
     run = max(runs, key=lambda r: r["peak_kib"] - r["base_kib"])  # RSS: the worst run
     largest = ITEM_ELEMENTS * 4
     gbps = total / 1e9
-    print(f"data level: checkpoint {gbps:.2f} GB in {len(files)} files, status "
-          f"{', '.join(sorted({r['status'] for r in runs}))}; {rounds} interleaved rounds, best times")
+    print(
+        f"data level: checkpoint {gbps:.2f} GB in {len(files)} files, status "
+        f"{', '.join(sorted({r['status'] for r in runs}))}; {rounds} interleaved rounds, best times"
+    )
     print(f"  cat (warm)          {cat_s:7.3f} s  {gbps / cat_s:6.2f} GB/s  (less {spawn_s * 1e3:.1f} ms to start cat)")
     print(f"  validate --level data {run_s:5.3f} s  {gbps / run_s:6.2f} GB/s")
     print(f"  dcp.load (prealloc) {load_s:7.3f} s  {gbps / load_s:6.2f} GB/s")
-    print(f"  throughput vs cat:      {cat_s / run_s:.2f} x of the best times, {vs_cat:.2f} x paired median  "
-          f"(target >= 0.7)")
-    print(f"  speed-up vs dcp.load:   {load_s / run_s:.2f} x of the best times, {vs_load:.2f} x paired median  "
-          f"(target >= 5)")
+    print(
+        f"  throughput vs cat:      {cat_s / run_s:.2f} x of the best times, {vs_cat:.2f} x paired median  "
+        f"(target >= 0.7)"
+    )
+    print(
+        f"  speed-up vs dcp.load:   {load_s / run_s:.2f} x of the best times, {vs_load:.2f} x paired median  "
+        f"(target >= 5)"
+    )
     grown = (run["peak_kib"] - run["base_kib"]) * 1024
     print(f"  peak RSS {run['peak_kib'] / 1024:.0f} MiB (after torch import "
           f"{run['base_kib'] / 1024:.0f} MiB; growth {grown / 2**20:.0f} MiB = "
@@ -268,6 +274,7 @@ def main() -> None:
         bench_metadata(tmp, args.chunks)
         if not args.skip_data:
             bench_data(tmp, args.size_gb, args.rounds)
+
 
 if __name__ == "__main__":
     main()

@@ -46,8 +46,10 @@ from torchpulse.probes.cudagraphs import CudaGraphProbe
 from torchpulse.probes.identity import current_identity
 
 BUDGET = 1.005
-GRAPH_BREAK_MESSAGE = ("Graph break in user code at /job/train.py:41\nGraph Break Reason: Call to "
-                       "`torch._dynamo.graph_break()`\n  Explanation: User-inserted graph break.\n")
+GRAPH_BREAK_MESSAGE = (
+    "Graph break in user code at /job/train.py:41\nGraph Break Reason: Call to "
+    "`torch._dynamo.graph_break()`\n  Explanation: User-inserted graph break.\n"
+)
 
 
 def make_agent(capacity: int | None = None) -> Agent:
@@ -64,8 +66,9 @@ def _frames_compiled() -> int:
 
 def step_time_ratio(rounds: int, block: int) -> bool:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     compiled = torch.compile(model)
     batch, target = torch.randn(64, 256), torch.randint(0, 10, (64,))
@@ -103,11 +106,15 @@ def step_time_ratio(rounds: int, block: int) -> bool:
     # A 0.9 ms compiled step feels the switch itself (caches refilled after install/uninstall) for
     # a few steps; the budget is for steady-state steps, so 10 untimed steps follow each switch.
     compiled_before = _frames_compiled()
-    times = interleaved(step, [Variant("off", lambda: None, lambda: None), nothing, Variant("on", enter, leave)],
-                        rounds=rounds, steps_per_block=block, settle=10)
+    times = interleaved(
+        step,
+        [Variant("off", lambda: None, lambda: None), nothing, Variant("on", enter, leave)],
+        rounds=rounds,
+        steps_per_block=block,
+        settle=10,
+    )
     recompiled = _frames_compiled() - compiled_before
-    ok = report("compiled MLP training step (CPU, inductor), probes off vs on", times, "off",
-                {"on": BUDGET}, block)
+    ok = report("compiled MLP training step (CPU, inductor), probes off vs on", times, "off", {"on": BUDGET}, block)
     if recompiled:
         # Then a timed step compiled: not the steady state the budget is about.
         print(f"NOT STEADY STATE: {recompiled} frames compiled during the timed rounds")
@@ -118,8 +125,9 @@ def step_time_ratio(rounds: int, block: int) -> bool:
     return ok
 
 
-def per_step_self_time(step: Callable[[], None], agent: Agent, probes: list[Probe],
-                       off_step: float, steps: int) -> None:
+def per_step_self_time(
+    step: Callable[[], None], agent: Agent, probes: list[Probe], off_step: float, steps: int
+) -> None:
     """The probes' own per-step work on the training thread, timed directly.
 
     Below the noise floor of a ratio: the cudagraphs post-hook is the only code
@@ -151,9 +159,11 @@ def per_step_self_time(step: Callable[[], None], agent: Agent, probes: list[Prob
         del cudagraphs._every_step
         agent.drain()
     per_step = max(0.0, spent[0] / steps - clock_cost) / 1e9
-    print(f"probe self time on the training thread: {per_step * 1e6:.2f} us per step over {steps} steps "
-          f"(readiness check included every {cudagraphs.every}th) = {per_step / off_step:.4%} of the median "
-          f"off step ({off_step * 1e3:.2f} ms): implied ratio {1 + per_step / off_step:.5f}")
+    print(
+        f"probe self time on the training thread: {per_step * 1e6:.2f} us per step over {steps} steps "
+        f"(readiness check included every {cudagraphs.every}th) = {per_step / off_step:.4%} of the median "
+        f"off step ({off_step * 1e3:.2f} ms): implied ratio {1 + per_step / off_step:.5f}"
+    )
 
 
 def _timer_cost_ns(samples: int = 20000) -> float:

@@ -37,8 +37,14 @@ class Variant:
     leave: Callable[[], None]
 
 
-def interleaved(step: Callable[[], None], variants: Sequence[Variant], rounds: int, steps_per_block: int,
-                warmup: int = 5, settle: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    step: Callable[[], None],
+    variants: Sequence[Variant],
+    rounds: int,
+    steps_per_block: int,
+    warmup: int = 5,
+    settle: int = 1,
+) -> dict[str, list[float]]:
     """Per-step wall times of `step` under each variant, alternating variant order every round.
 
     The first `settle` steps after each switch are run but not timed: they pay for the switch
@@ -72,10 +78,13 @@ def paired_ratios(times: dict[str, list[float]], name: str, baseline: str, block
     """
     ours, base = times[name], times[baseline]
     if len(ours) != len(base) or len(ours) % block:
-        raise ValueError(f"{name} ({len(ours)} steps) and {baseline} ({len(base)} steps) are not "
-                         f"whole rounds of {block} steps each")
-    return [statistics.median(ours[i:i + block]) / statistics.median(base[i:i + block])
-            for i in range(0, len(ours), block)]
+        raise ValueError(
+            f"{name} ({len(ours)} steps) and {baseline} ({len(base)} steps) are not whole rounds of {block} steps each"
+        )
+    return [
+        statistics.median(ours[i : i + block]) / statistics.median(base[i : i + block])
+        for i in range(0, len(ours), block)
+    ]
 
 
 def paired_ratio(times: dict[str, list[float]], name: str, baseline: str, block: int) -> float:
@@ -103,8 +112,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def report(title: str, times: dict[str, list[float]], baseline: str, budgets: dict[str, float],
-           block: int) -> bool:
+def report(title: str, times: dict[str, list[float]], baseline: str, budgets: dict[str, float], block: int) -> bool:
     """Print medians and paired ratios (with a 95% interval) against `baseline`; True when every budget holds.
 
     The verdict compares the paired median with the budget; the interval says whether that
@@ -121,10 +129,8 @@ def report(title: str, times: dict[str, list[float]], baseline: str, budgets: di
         budget = budgets.get(name)
         verdict = "" if budget is None else (f"<= {budget}  {'ok' if ratio <= budget else 'OVER'}")
         ok = ok and (budget is None or ratio <= budget)
-        print(f"  {name:<28} {len(values):>6} {median * 1e3:>8.3f} ms {ratio:>7.4f}  "
-              f"{low:.4f}-{high:.4f}  {verdict}")
+        print(f"  {name:<28} {len(values):>6} {median * 1e3:>8.3f} ms {ratio:>7.4f}  {low:.4f}-{high:.4f}  {verdict}")
     return ok
-
 
 
 def optimizer_hooks() -> int:
@@ -132,8 +138,11 @@ def optimizer_hooks() -> int:
     overhead benchmarks check with it that a probe's hooks are there in the arm that claims them, and only there."""
     from torch.optim import optimizer as optim_module
 
-    return sum(len(getattr(optim_module, table, {}))
-               for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
+    return sum(
+        len(getattr(optim_module, table, {}))
+        for table in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+    )
+
 
 @contextmanager
 def bench_dir(prefix: str, keep_on_error: bool = False) -> Iterator[Path]:
@@ -183,8 +192,9 @@ class BenchDaemon:
 
 
 @contextmanager
-def running_daemon(workdir: Path, config: str | None = None, log: bool = False,
-                   timeout: float = 30.0) -> Iterator[BenchDaemon]:
+def running_daemon(
+    workdir: Path, config: str | None = None, log: bool = False, timeout: float = 30.0
+) -> Iterator[BenchDaemon]:
     """A real daemon on a free port under `workdir`, ready when `/metrics` answers; stopped on exit.
 
     `config` is TOML text for `--config`; with `log` its output goes to `workdir/daemon.log`.
@@ -193,13 +203,23 @@ def running_daemon(workdir: Path, config: str | None = None, log: bool = False,
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    args = [sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
-            "--state-dir", str(workdir / "state")]
+    args = [
+        sys.executable,
+        "-m",
+        "torchpulse",
+        "daemon",
+        "--socket",
+        str(sock),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        str(workdir / "state"),
+    ]
     if config is not None:
         (workdir / "tp.toml").write_text(config)
         args += ["--config", str(workdir / "tp.toml")]
     with sigterm_unwinds():
-        with (log_path.open("wb") if log_path else open(os.devnull, "wb")) as out:
+        with log_path.open("wb") if log_path else open(os.devnull, "wb") as out:
             proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
         daemon = BenchDaemon(proc, sock, f"http://127.0.0.1:{port}/metrics", log_path)
         try:

@@ -38,16 +38,26 @@ def _snapshot(seq: int, optimizers: int = 4) -> Batch:
     samples, hists = [], []
     for o in range(optimizers):
         label = f"AdamW#{o}"
-        samples += [Sample("optimizer_steps_total", (label,), float(seq)),
-                    Sample("optimizer_learning_rate", (label, "0"), 1e-3),
-                    Sample("optimizer_learning_rate", (label, "1"), 1e-4),
-                    Sample("optimizer_parameters", (label,), 100.0),
-                    Sample("optimizer_parameter_elements", (label,), 1e6),
-                    Sample("optimizer_state_bytes", (label,), 8e6)]
-        hists.append(HistogramSample("optimizer_step_duration_seconds", (label,),
-                                     tuple(seq if i == 6 else 1 for i in range(hist_buckets)), 0.01 * seq))
-    samples += [Sample("agent_probe_enabled", ("optimizer",), 1.0),
-                Sample("agent_events_dropped_total", ("buffer_full",), 0.0)]
+        samples += [
+            Sample("optimizer_steps_total", (label,), float(seq)),
+            Sample("optimizer_learning_rate", (label, "0"), 1e-3),
+            Sample("optimizer_learning_rate", (label, "1"), 1e-4),
+            Sample("optimizer_parameters", (label,), 100.0),
+            Sample("optimizer_parameter_elements", (label,), 1e6),
+            Sample("optimizer_state_bytes", (label,), 8e6),
+        ]
+        hists.append(
+            HistogramSample(
+                "optimizer_step_duration_seconds",
+                (label,),
+                tuple(seq if i == 6 else 1 for i in range(hist_buckets)),
+                0.01 * seq,
+            )
+        )
+    samples += [
+        Sample("agent_probe_enabled", ("optimizer",), 1.0),
+        Sample("agent_events_dropped_total", ("buffer_full",), 0.0),
+    ]
     return Batch(seq, time.time(), samples, hists, [])
 
 
@@ -120,8 +130,7 @@ def _wait_idle(pid: int, limit: float = 10.0) -> tuple[float, float]:
 
 
 def _start_flood(sock: Path, workers: int, connections: int, seconds: float) -> list[multiprocessing.Process]:
-    procs = [multiprocessing.Process(target=_flood, args=(str(sock), w, connections, seconds))
-             for w in range(workers)]
+    procs = [multiprocessing.Process(target=_flood, args=(str(sock), w, connections, seconds)) for w in range(workers)]
     for p in procs:
         p.start()
     return procs
@@ -132,7 +141,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--scrapes", type=int, default=40)
     args = parser.parse_args()
-    config = "[runs]\nseries_limit_per_run = 100000\n[daemon]\nlog_level = \"info\"\n"
+    config = '[runs]\nseries_limit_per_run = 100000\n[daemon]\nlog_level = "info"\n'
     flood: list[multiprocessing.Process] = []
     ranks: list[socket.socket] = []
     with bench_dir("torchpulse-ingest-") as workdir, running_daemon(workdir, config) as bench_daemon:
@@ -148,10 +157,18 @@ def main() -> int:
     return 0
 
 
-def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: list[multiprocessing.Process],
-             ranks: list[socket.socket]) -> None:
-    print(f"daemon pid {pid}, {os.cpu_count()} cores; flood batch = "
-          f"{_items(_flood_batch(1))} items, {len(encode(_flood_batch(1)))} bytes")
+def _measure(
+    pid: int,
+    sock: Path,
+    url: str,
+    args: argparse.Namespace,
+    flood: list[multiprocessing.Process],
+    ranks: list[socket.socket],
+) -> None:
+    print(
+        f"daemon pid {pid}, {os.cpu_count()} cores; flood batch = "
+        f"{_items(_flood_batch(1))} items, {len(encode(_flood_batch(1)))} bytes"
+    )
 
     # 1. Flood. The daemon's CPU time is read once it has also read what the senders left in its
     # sockets, since the counter read afterwards includes those events.
@@ -163,13 +180,16 @@ def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: li
     cpu1, t1 = _wait_idle(pid)
     _, after = _scrape(url)
     received = _value(after, "torchpulse_daemon_events_received_total") - _value(
-        before, "torchpulse_daemon_events_received_total")
+        before, "torchpulse_daemon_events_received_total"
+    )
     per_cpu = received / max(cpu1 - cpu0, 1e-9)
     print("\n1. ingest flood (1 sender process, 8 connections)")
     print(f"   events applied: {received:,.0f} in {t1 - t0:.1f} s wall, daemon CPU {cpu1 - cpu0:.1f} s")
     print(f"   events/s (wall): {received / (t1 - t0):,.0f}")
-    print(f"   events per daemon CPU-second (one core): {per_cpu:,.0f}   budget >= 200,000  "
-          f"{'ok' if per_cpu >= 200_000 else 'UNDER'}")
+    print(
+        f"   events per daemon CPU-second (one core): {per_cpu:,.0f}   budget >= 200,000  "
+        f"{'ok' if per_cpu >= 200_000 else 'UNDER'}"
+    )
 
     # 2. 64 runs x 8 ranks connected, then scrape.
     for r in range(64):
@@ -191,8 +211,10 @@ def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: li
     series = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
     p50 = statistics.median(latencies)
     print(f"\n2. /metrics with 64 runs x 8 ranks connected ({series:,} samples, {len(body) / 1e6:.1f} MB)")
-    print(f"   idle:        p50 {p50 * 1e3:.1f} ms  p99 {percentile(latencies, 0.99) * 1e3:.1f} ms   "
-          f"budget p50 <= 50 ms  {'ok' if p50 <= 0.05 else 'OVER'}")
+    print(
+        f"   idle:        p50 {p50 * 1e3:.1f} ms  p99 {percentile(latencies, 0.99) * 1e3:.1f} ms   "
+        f"budget p50 <= 50 ms  {'ok' if p50 <= 0.05 else 'OVER'}"
+    )
     flood[:] = _start_flood(sock, 1, 8, args.seconds)
     time.sleep(0.5)
     loaded: list[float] = []
@@ -205,12 +227,15 @@ def _measure(pid: int, sock: Path, url: str, args: argparse.Namespace, flood: li
     for p in flood:
         p.join()
     if loaded:
-        print(f"   under flood: p50 {statistics.median(loaded) * 1e3:.1f} ms  "
-              f"p99 {percentile(loaded, 0.99) * 1e3:.1f} ms  ({len(loaded)} scrapes"
-              f"{'' if len(loaded) == args.scrapes else '; the flood ended first: raise --seconds'})")
+        print(
+            f"   under flood: p50 {statistics.median(loaded) * 1e3:.1f} ms  "
+            f"p99 {percentile(loaded, 0.99) * 1e3:.1f} ms  ({len(loaded)} scrapes"
+            f"{'' if len(loaded) == args.scrapes else '; the flood ended first: raise --seconds'})"
+        )
     else:
         print("   under flood: no scrape ended while the flood ran (raise --seconds)")
     print(f"   daemon RSS: {_rss_mib(pid):.0f} MiB")
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -48,11 +48,35 @@ MAX_PENDING_EVENTS = 2048
 # A real agent's sender blocks in sendall; here a connection whose unsent bytes
 # exceed this is "blocked", and the interval's log events wait or are dropped.
 BLOCKED_BYTES = 256 << 10
-AUTOGRAD_NODES = tuple(f"{op}Backward0" for op in (
-    "Mm", "Addmm", "Mul", "Add", "Gelu", "NativeLayerNorm", "Softmax", "Bmm", "View", "Transpose",
-    "Embedding", "NllLoss", "LogSoftmax", "Sum", "Expand", "Clone", "Div", "Sub", "Pow", "Mean",
-    "Unsafe", "Split", "Cat", "Permute",
-))
+AUTOGRAD_NODES = tuple(
+    f"{op}Backward0"
+    for op in (
+        "Mm",
+        "Addmm",
+        "Mul",
+        "Add",
+        "Gelu",
+        "NativeLayerNorm",
+        "Softmax",
+        "Bmm",
+        "View",
+        "Transpose",
+        "Embedding",
+        "NllLoss",
+        "LogSoftmax",
+        "Sum",
+        "Expand",
+        "Clone",
+        "Div",
+        "Sub",
+        "Pow",
+        "Mean",
+        "Unsafe",
+        "Split",
+        "Cat",
+        "Permute",
+    )
+)
 RECOMPILE_REASONS = ("size_mismatch", "dtype_mismatch", "guard_failed", "global_changed")
 WARMUP_STEPS = 50 * 60
 
@@ -95,19 +119,33 @@ class SimAgent:
     blocked_flushes: int = 0
 
     def hello(self) -> Hello:
-        return Hello(self.run, self.rank, self.rank % RANKS_PER_RUN, RANKS_PER_RUN, os.getpid() * 1000 + self.rank,
-                     "bench-node", "2.13.0", "0.1.0", "python train.py --config big.yaml", time.time())
+        return Hello(
+            self.run,
+            self.rank,
+            self.rank % RANKS_PER_RUN,
+            RANKS_PER_RUN,
+            os.getpid() * 1000 + self.rank,
+            "bench-node",
+            "2.13.0",
+            "0.1.0",
+            "python train.py --config big.yaml",
+            time.time(),
+        )
 
     def snapshot(self) -> list[Sample]:
         """Series a real agent sends once after connecting (probe state, optimizer shape)."""
         opt = "AdamW#0"
         samples = [Sample("agent_probe_enabled", (p,), 1.0) for p in ("optimizer", "autograd", "compile", "cudagraphs")]
         samples += [Sample("agent_events_dropped_total", (r,), float(n)) for r, n in self.dropped.items()]
-        samples += [Sample("optimizer_parameters", (opt,), 148.0),
-                    Sample("optimizer_parameter_elements", (opt,), 1.2e8),
-                    Sample("optimizer_state_bytes", (opt,), 9.6e8), Sample("optimizer_capturable", (opt, "0"), 0.0),
-                    Sample("cudagraph_trees", (), 1.0), Sample("cudagraph_nodes", (), 412.0),
-                    Sample("cudagraph_pool_bytes", (), 2.1e9)]
+        samples += [
+            Sample("optimizer_parameters", (opt,), 148.0),
+            Sample("optimizer_parameter_elements", (opt,), 1.2e8),
+            Sample("optimizer_state_bytes", (opt,), 9.6e8),
+            Sample("optimizer_capturable", (opt, "0"), 0.0),
+            Sample("cudagraph_trees", (), 1.0),
+            Sample("cudagraph_nodes", (), 412.0),
+            Sample("cudagraph_pool_bytes", (), 2.1e9),
+        ]
         return samples
 
     def step_interval(self, steps: int, now: float) -> Batch:
@@ -121,23 +159,32 @@ class SimAgent:
                 self.compile_hist.observe(rng.uniform(0.5, 20.0))
             samples.append(Sample("compile_frames_total", ("ok",), 3.0))
             samples.append(Sample("graph_breaks_total", ("data_dependent", "model.py:212"), 1.0))
-            hists.append(HistogramSample("compile_duration_seconds", ("inductor",), tuple(self.compile_hist.counts),
-                                         self.compile_hist.total))
+            hists.append(
+                HistogramSample(
+                    "compile_duration_seconds", ("inductor",), tuple(self.compile_hist.counts), self.compile_hist.total
+                )
+            )
         for _ in range(steps):
             self.step_hist.observe(rng.lognormvariate(math.log(0.004), 0.3))
             self.backward_hist.observe(rng.lognormvariate(math.log(0.012), 0.2))
         self.steps += steps
         self.backward += steps
         lr = 3e-4 * 0.5 * (1 + math.cos(math.pi * (self.steps % 100_000) / 100_000))
-        samples += [Sample("optimizer_steps_total", (opt,), float(self.steps)),
-                    Sample("optimizer_learning_rate", (opt, "0"), lr),
-                    Sample("optimizer_learning_rate", (opt, "1"), lr * 0.1),
-                    Sample("backward_passes_total", ("full",), float(self.backward)),
-                    Sample("grad_norm", (), rng.uniform(0.5, 2.0))]
-        hists += [HistogramSample("optimizer_step_duration_seconds", (opt,), tuple(self.step_hist.counts),
-                                  self.step_hist.total),
-                  HistogramSample("backward_duration_seconds", ("full",), tuple(self.backward_hist.counts),
-                                  self.backward_hist.total)]
+        samples += [
+            Sample("optimizer_steps_total", (opt,), float(self.steps)),
+            Sample("optimizer_learning_rate", (opt, "0"), lr),
+            Sample("optimizer_learning_rate", (opt, "1"), lr * 0.1),
+            Sample("backward_passes_total", ("full",), float(self.backward)),
+            Sample("grad_norm", (), rng.uniform(0.5, 2.0)),
+        ]
+        hists += [
+            HistogramSample(
+                "optimizer_step_duration_seconds", (opt,), tuple(self.step_hist.counts), self.step_hist.total
+            ),
+            HistogramSample(
+                "backward_duration_seconds", ("full",), tuple(self.backward_hist.counts), self.backward_hist.total
+            ),
+        ]
         if self.steps // 100 != (self.steps - steps) // 100:  # one sampled autograd pass per 100 steps
             self.sampled += 1
             samples.append(Sample("autograd_sampled_passes_total", (), float(self.sampled)))
@@ -152,15 +199,23 @@ class SimAgent:
             key = (f"forward_{rng.randint(0, 1)}", rng.choice(RECOMPILE_REASONS))
             self.recompiles[key] = self.recompiles.get(key, 0) + 1
             samples.append(Sample("recompiles_total", key, float(self.recompiles[key])))
-            self.pending_events.append(LogEvent(now, "info", "recompile", {
-                "function": key[0], "reason": key[1],
-                "detail": f"tensor 'x' size mismatch at index 0. expected {rng.randint(1, 64)}, actual 7"}))
+            self.pending_events.append(
+                LogEvent(
+                    now,
+                    "info",
+                    "recompile",
+                    {
+                        "function": key[0],
+                        "reason": key[1],
+                        "detail": f"tensor 'x' size mismatch at index 0. expected {rng.randint(1, 64)}, actual 7",
+                    },
+                )
+            )
         if self.blocked_flushes:
             samples += [Sample("agent_events_dropped_total", (r,), float(n)) for r, n in self.dropped.items()]
         self.seq += 1
         events, self.pending_events = self.pending_events, []
         return Batch(self.seq, now, samples, hists, events)
-
 
 
 def _scrape(url: str) -> tuple[float, str]:
@@ -244,8 +299,10 @@ def _read_incoming(agent: SimAgent) -> None:
 
 def run_load(sock_path: Path, url: str, pid: int, args: argparse.Namespace) -> int:
     rng = random.Random(7)
-    agents = [SimAgent(f"load-{i // RANKS_PER_RUN:03d}", i % RANKS_PER_RUN, random.Random(rng.random()))
-              for i in range(args.agents)]
+    agents = [
+        SimAgent(f"load-{i // RANKS_PER_RUN:03d}", i % RANKS_PER_RUN, random.Random(rng.random()))
+        for i in range(args.agents)
+    ]
     for agent in agents:
         _connect(agent, sock_path)
     selector = selectors.DefaultSelector()
@@ -296,11 +353,19 @@ def run_load(sock_path: Path, url: str, pid: int, args: argparse.Namespace) -> i
             events = _sum(body, "torchpulse_daemon_events_received_total")
             recent = scraper.latencies[-10:] or [0.0]
             span = now - t_prev
-            row = (now - start, (cpu - cpu_prev) / span, _rss_mib(pid), (events - events_prev) / span,
-                   _sum(body, "torchpulse_run_series"))
+            row = (
+                now - start,
+                (cpu - cpu_prev) / span,
+                _rss_mib(pid),
+                (events - events_prev) / span,
+                _sum(body, "torchpulse_run_series"),
+            )
             series.append(row)
-            print(f"{row[0]:7.0f} {row[1]:10.1%} {row[2]:8.1f} {row[3]:10,.0f} {row[4]:8,.0f} "
-                  f"{statistics.median(recent) * 1e3:8.1f} ms", flush=True)
+            print(
+                f"{row[0]:7.0f} {row[1]:10.1%} {row[2]:8.1f} {row[3]:10,.0f} {row[4]:8,.0f} "
+                f"{statistics.median(recent) * 1e3:8.1f} ms",
+                flush=True,
+            )
             cpu_prev, t_prev, events_prev = cpu, now, events
             next_sample += sample_every
     end = time.monotonic()
@@ -326,21 +391,33 @@ def run_load(sock_path: Path, url: str, pid: int, args: argparse.Namespace) -> i
     return 0 if ok else 1
 
 
-def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[float, float, float, float, float]],
-           scraper: Scraper, body: str, elapsed: float, cpu_total: float, events_total: float) -> bool:
+def report(
+    args: argparse.Namespace,
+    agents: list[SimAgent],
+    series: list[tuple[float, float, float, float, float]],
+    scraper: Scraper,
+    body: str,
+    elapsed: float,
+    cpu_total: float,
+    events_total: float,
+) -> bool:
     """Print the figures; False when a guarantee failed (a failed scrape, totals that do not match)."""
-    print(f"\nran {elapsed:.0f} s with {len(agents)} agents ({len(agents) // RANKS_PER_RUN} runs x {RANKS_PER_RUN} "
-          f"ranks) at {args.steps_per_second:g} steps/s each, flush every {FLUSH_INTERVAL * 1e3:.0f} ms")
+    print(
+        f"\nran {elapsed:.0f} s with {len(agents)} agents ({len(agents) // RANKS_PER_RUN} runs x {RANKS_PER_RUN} "
+        f"ranks) at {args.steps_per_second:g} steps/s each, flush every {FLUSH_INTERVAL * 1e3:.0f} ms"
+    )
     frames = sum(a.frames for a in agents)
     print(f"frames sent: {frames:,} ({frames / elapsed:,.0f}/s)")
     print(f"daemon CPU: {cpu_total:.1f} s in {elapsed:.0f} s = {cpu_total / elapsed:.1%} of one core")
     print(f"events applied: {events_total:,.0f} = {events_total / elapsed:,.0f}/s")
     lat = scraper.latencies
     if lat:
-        print(f"/metrics while loaded: {len(lat)} scrapes every {args.scrape_interval:g} s, "
-              f"p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {percentile(lat, 0.99) * 1e3:.1f} ms, "
-              f"max {max(lat) * 1e3:.1f} ms, failures {scraper.failures}, "
-              f"{sum(1 for line in body.splitlines() if line and line[0] != '#'):,} samples, {len(body) / 1e6:.1f} MB")
+        print(
+            f"/metrics while loaded: {len(lat)} scrapes every {args.scrape_interval:g} s, "
+            f"p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {percentile(lat, 0.99) * 1e3:.1f} ms, "
+            f"max {max(lat) * 1e3:.1f} ms, failures {scraper.failures}, "
+            f"{sum(1 for line in body.splitlines() if line and line[0] != '#'):,} samples, {len(body) / 1e6:.1f} MB"
+        )
     # RSS plateau: after the warm-up third, the second half's median must not exceed the first's beyond
     # noise. Medians, because a sample taken while a 7 MB scrape is being rendered reads ~15 MiB high.
     steady = [row for row in series if row[0] >= elapsed / 3]
@@ -351,17 +428,21 @@ def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[
         growth = second - first
         new_series = steady[-1][4] - steady[0][4]
         verdict = "PLATEAU" if growth <= max(1.0, 0.01 * first) else "GROWING"
-        print(f"RSS: {series[0][2]:.1f} MiB at {series[0][0]:.0f} s, peak {max(r[2] for r in series):.1f} MiB; "
-              f"steady medians {first:.1f} -> {second:.1f} MiB ({growth:+.1f} MiB) while series held went "
-              f"{new_series:+,.0f} -> {verdict}")
+        print(
+            f"RSS: {series[0][2]:.1f} MiB at {series[0][0]:.0f} s, peak {max(r[2] for r in series):.1f} MiB; "
+            f"steady medians {first:.1f} -> {second:.1f} MiB ({growth:+.1f} MiB) while series held went "
+            f"{new_series:+,.0f} -> {verdict}"
+        )
     else:
         print("RSS: too few samples for a plateau verdict (run longer)")
     print("drops:")
     frames_rejected = _sum(body, "torchpulse_daemon_frames_rejected_total")
     series_rejected = _sum(body, "torchpulse_daemon_series_rejected_total")
     run_rejected = _sum(body, "torchpulse_run_series_rejected")
-    print(f"  daemon: frames rejected {frames_rejected:.0f}, series rejected {series_rejected:.0f}, "
-          f"run series limit refusals {run_rejected:.0f}")
+    print(
+        f"  daemon: frames rejected {frames_rejected:.0f}, series rejected {series_rejected:.0f}, "
+        f"run series limit refusals {run_rejected:.0f}"
+    )
     for reason in ("buffer_full", "events_overflow"):
         sim = sum(a.dropped[reason] for a in agents)
         seen = _sum(body, "torchpulse_agent_events_dropped_total", reason=reason)
@@ -370,8 +451,10 @@ def report(args: argparse.Namespace, agents: list[SimAgent], series: list[tuple[
     print(f"  agents: flushes skipped because the socket was still blocked: {blocked}")
     sent_steps = sum(a.steps for a in agents)
     applied_steps = _sum(body, "torchpulse_optimizer_steps_total")
-    print(f"  running totals: steps sent {sent_steps:,}, daemon holds {applied_steps:,.0f} "
-          f"({'match' if sent_steps == applied_steps else 'MISMATCH'})")
+    print(
+        f"  running totals: steps sent {sent_steps:,}, daemon holds {applied_steps:,.0f} "
+        f"({'match' if sent_steps == applied_steps else 'MISMATCH'})"
+    )
     return sent_steps == applied_steps and scraper.failures == 0
 
 
@@ -384,8 +467,10 @@ def main() -> int:
     args = parser.parse_args()
     config = '[daemon]\nlog_level = "info"\n'
     # Removed at the end; kept (with the daemon log) when the run failed.
-    with bench_dir("torchpulse-load-", keep_on_error=True) as workdir, \
-            running_daemon(workdir, config, log=True) as daemon:
+    with (
+        bench_dir("torchpulse-load-", keep_on_error=True) as workdir,
+        running_daemon(workdir, config, log=True) as daemon,
+    ):
         log_path = daemon.log_path
         assert log_path is not None
         print(f"daemon pid {daemon.proc.pid}, {os.cpu_count()} cores, log {log_path}; load for {args.minutes:g} min")
@@ -393,6 +478,7 @@ def main() -> int:
             return run_load(daemon.socket_path, daemon.url, daemon.proc.pid, args)
         finally:
             print(f"daemon log: {log_path.stat().st_size / 1e6:.1f} MB written")
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

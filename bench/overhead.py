@@ -101,18 +101,27 @@ def main() -> int:
                 if optimizer_hooks() != with_probe:
                     raise RuntimeError("the optimizer probe did not register its hooks again")
 
-            variants = [Variant("probes off", probe_off, probe_back),
-                        Variant("optimizer probe on", lambda: None, lambda: None)]
+            variants = [
+                Variant("probes off", probe_off, probe_back),
+                Variant("optimizer probe on", lambda: None, lambda: None),
+            ]
             # "probes off" uninstalls on enter and reinstalls on leave.
             times = interleaved(step, variants, args.rounds, args.steps_per_block)
-            ok = report(f"2-layer TransformerEncoder (d_model {args.d_model}, batch 8, seq 128), CPU, "
-                        f"torch {torch.__version__}, {os.cpu_count()} cores",
-                        times, "probes off", {"optimizer probe on": 1.01}, args.steps_per_block)
+            ok = report(
+                f"2-layer TransformerEncoder (d_model {args.d_model}, batch 8, seq 128), CPU, "
+                f"torch {torch.__version__}, {os.cpu_count()} cores",
+                times,
+                "probes off",
+                {"optimizer probe on": 1.01},
+                args.steps_per_block,
+            )
             agent.flush()
             counted = agent.store.value("optimizer_steps_total", (probe.label_of(optimizer),)) or 0
             seen = counted == steps_run[True]
-            print(f"\n  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
-                  f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})")
+            print(
+                f"\n  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
+                f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})"
+            )
             print(f"  one optimizer hook call: {_hook_cost(probe):.2f} µs (pre + post hook per step)")
             agent.flush()
             print(f"  events dropped by the agent: {agent.dropped_total}")

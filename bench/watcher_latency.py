@@ -35,8 +35,11 @@ WAIT_SECONDS = 120.0
 def _validations(url: str) -> float:
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("torchpulse_checkpoint_validations_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("torchpulse_checkpoint_validations_total{")
+    )
 
 
 def _commit(source: Path, target: Path) -> float:
@@ -70,10 +73,15 @@ def main() -> int:
     with bench_dir("tp-watch-bench-") as work:  # removed at the end, also on Ctrl-C and SIGTERM
         source, root = work / "source", work / "root"
         root.mkdir()
-        subprocess.run([sys.executable, str(SAVE_SCRIPT), "single", str(source)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        config = (f'[checkpoints]\nroots = [{{ path = "{root}", observer = "{args.observer}" }}]\n'
-                  "poll_interval_seconds = 1\n")
+        subprocess.run(
+            [sys.executable, str(SAVE_SCRIPT), "single", str(source)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        config = (
+            f'[checkpoints]\nroots = [{{ path = "{root}", observer = "{args.observer}" }}]\npoll_interval_seconds = 1\n'
+        )
         with running_daemon(work, config, log=True) as daemon:
             return _measure(daemon.url, daemon.log_path, source, root, args)
 
@@ -101,23 +109,29 @@ def _measure(url: str, log: Path | None, source: Path, root: Path, args: argpars
                 break
             time.sleep(0.01)
         if validation is None:
-            print(f"step {step}: metadata -> metric {total:.3f} s  (no 'checkpoint validated' line for {target} "
-                  "in the daemon log: validation time unknown)")
+            print(
+                f"step {step}: metadata -> metric {total:.3f} s  (no 'checkpoint validated' line for {target} "
+                "in the daemon log: validation time unknown)"
+            )
             totals.append(total)
             continue
         totals.append(total)
         overheads.append(total - validation)
-        print(f"step {step}: metadata -> metric {total:.3f} s  (validation {validation:.3f} s, "
-              f"watcher {total - validation:.3f} s)")
+        print(
+            f"step {step}: metadata -> metric {total:.3f} s  (validation {validation:.3f} s, "
+            f"watcher {total - validation:.3f} s)"
+        )
     print(f"\n{args.observer}: median metadata -> metric {statistics.median(totals):.3f} s", end="")
     if not overheads:
         print("; the watcher's own latency is unknown (no validation times)")
         return 1
-    print(f"; median watcher latency excluding validation {statistics.median(overheads):.3f} s "
-          f"over {len(overheads)} commits (target <= 1 s)"
-          + ("; debounce is 0.2 s of it" if args.observer == "inotify" else
-             "; the polling observer looks every 1 s"))
+    print(
+        f"; median watcher latency excluding validation {statistics.median(overheads):.3f} s "
+        f"over {len(overheads)} commits (target <= 1 s)"
+        + ("; debounce is 0.2 s of it" if args.observer == "inotify" else "; the polling observer looks every 1 s")
+    )
     return 0 if len(overheads) == len(totals) else 1
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -83,13 +83,25 @@ def test_one_input(data: bytes) -> None:
 
 def seeds() -> list[bytes]:
     now = time.time()
-    batch = Batch(1, now, [Sample("optimizer_steps_total", ("AdamW#0",), 10.0),
-                           Sample("recompiles_total", ("f", "size_mismatch"), 2.0),
-                           Sample("grad_norm", (), float("nan"))],
-                  [HistogramSample("optimizer_step_duration_seconds", ("AdamW#0",), (0,) * 18 + (1,), 0.1)],
-                  [LogEvent(now, "info", "recompile", {"detail": 'a "quoted"\nline', "n": 1})])
-    frames = [HELLO, batch, Goodbye("exit"), StatusRequest(), CommandResult(1, True, "ok", {}),
-              CtlRequest("fuzz", [0], "sample", {"rate": 0.5}, 1.0)]
+    batch = Batch(
+        1,
+        now,
+        [
+            Sample("optimizer_steps_total", ("AdamW#0",), 10.0),
+            Sample("recompiles_total", ("f", "size_mismatch"), 2.0),
+            Sample("grad_norm", (), float("nan")),
+        ],
+        [HistogramSample("optimizer_step_duration_seconds", ("AdamW#0",), (0,) * 18 + (1,), 0.1)],
+        [LogEvent(now, "info", "recompile", {"detail": 'a "quoted"\nline', "n": 1})],
+    )
+    frames = [
+        HELLO,
+        batch,
+        Goodbye("exit"),
+        StatusRequest(),
+        CommandResult(1, True, "ok", {}),
+        CtlRequest("fuzz", [0], "sample", {"rate": 0.5}, 1.0),
+    ]
     encoded = [encode(f) for f in frames]
     return [*encoded, *(e[8:] for e in encoded), encode(HELLO) + encode(batch)]
 

@@ -38,8 +38,22 @@ from fuzz.common import known, run
 # The reader imports pickletools on a MemoryError and CPython's unpickler imports the
 # raw_unicode_escape codec at its first UNICODE opcode: both are imported above, so that an
 # import while unpickling is only ever what the harness looks for.
-_FORBIDDEN_EVENTS = ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "exec",
-                     "compile", "import", "open", "ctypes.dlopen", "socket.connect", "shutil.rmtree", "os.remove")
+_FORBIDDEN_EVENTS = (
+    "os.system",
+    "subprocess.Popen",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "exec",
+    "compile",
+    "import",
+    "open",
+    "ctypes.dlopen",
+    "socket.connect",
+    "shutil.rmtree",
+    "os.remove",
+)
 _unpickling = False
 _violations: list[str] = []
 
@@ -112,20 +126,34 @@ def seeds() -> list[bytes]:
         TensorStorageMetadata,
     )
 
-    weight = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([5, 8]),
-                                   [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 8])),
-                                    ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 8]))])
-    step = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([]),
-                                 [ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
+    weight = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([5, 8]),
+        [
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 8])),
+            ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 8])),
+        ],
+    )
+    step = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([]), [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+    )
     md = Metadata(
-        state_dict_metadata={"model.w": weight, "optim.state.w.step": step,
-                             "optim.param_groups.0.lr": BytesStorageMetadata()},
-        planner_data={"model.w": ("model", "w"), "optim.state.w.step": ("optim", "state", "w", "step"),
-                      "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr")},
-        storage_data={MetadataIndex("model.w", torch.Size([0, 0])): _StorageInfo(DATA, 0, 700),
-                      MetadataIndex("model.w", torch.Size([3, 0])): _StorageInfo(DATA, 700, 600),
-                      MetadataIndex("optim.state.w.step", torch.Size([])): _StorageInfo(DATA, 1300, 500),
-                      MetadataIndex("optim.param_groups.0.lr"): _StorageInfo(DATA, 1800, 100)},
+        state_dict_metadata={
+            "model.w": weight,
+            "optim.state.w.step": step,
+            "optim.param_groups.0.lr": BytesStorageMetadata(),
+        },
+        planner_data={
+            "model.w": ("model", "w"),
+            "optim.state.w.step": ("optim", "state", "w", "step"),
+            "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr"),
+        },
+        storage_data={
+            MetadataIndex("model.w", torch.Size([0, 0])): _StorageInfo(DATA, 0, 700),
+            MetadataIndex("model.w", torch.Size([3, 0])): _StorageInfo(DATA, 700, 600),
+            MetadataIndex("optim.state.w.step", torch.Size([])): _StorageInfo(DATA, 1300, 500),
+            MetadataIndex("optim.param_groups.0.lr"): _StorageInfo(DATA, 1800, 100),
+        },
     )
     out = [pickle.dumps(md, protocol=p) for p in (2, 4, 5)]
     buf = io.BytesIO()

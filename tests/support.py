@@ -49,7 +49,8 @@ def parse_exposition(text: str) -> Samples:
 def select(samples: Samples, name: str, **labels: str) -> dict[tuple[tuple[str, str], ...], float]:
     """Samples of `name` whose labels include `labels`."""
     return {
-        key: value for (sample_name, key), value in samples.items()
+        key: value
+        for (sample_name, key), value in samples.items()
         if sample_name == name and all(dict(key).get(k) == v for k, v in labels.items())
     }
 
@@ -171,8 +172,9 @@ def child_of(pid: int, arg: bytes | None = None, timeout: float = 20.0) -> int:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (arg is None or arg in argv):
                 return int(entry.name)
         time.sleep(0.005)
-    raise AssertionError(f"process {pid} started no child{'' if arg is None else f' with argument {arg!r}'} "
-                         f"within {timeout} s")
+    raise AssertionError(
+        f"process {pid} started no child{'' if arg is None else f' with argument {arg!r}'} within {timeout} s"
+    )
 
 
 def reload_config(daemon: DaemonProcess, config: Path, text: str, event: str = "config reloaded") -> None:
@@ -182,18 +184,40 @@ def reload_config(daemon: DaemonProcess, config: Path, text: str, event: str = "
     wait_for(lambda: any(e.get("event") == event for e in daemon.log_lines()))
 
 
-def start_daemon(tmp: Path, socket_path: Path | None = None, port: int | None = None,
-                 extra_args: list[str] | None = None, env: Mapping[str, str] | None = None,
-                 preexec: Callable[[], None] | None = None) -> DaemonProcess:
+def start_daemon(
+    tmp: Path,
+    socket_path: Path | None = None,
+    port: int | None = None,
+    extra_args: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> DaemonProcess:
     socket_path = socket_path or tmp / "agent.sock"
     port = port or free_port()
     state_dir = tmp / "state"
     log_path = tmp / f"daemon-{time.monotonic_ns()}.log"
-    args = [PYTHON, "-m", "torchpulse", "daemon", "--socket", str(socket_path),
-            "--listen", f"127.0.0.1:{port}", "--state-dir", str(state_dir), *(extra_args or [])]
+    args = [
+        PYTHON,
+        "-m",
+        "torchpulse",
+        "daemon",
+        "--socket",
+        str(socket_path),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        str(state_dir),
+        *(extra_args or []),
+    ]
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=dict(env) if env is not None else None, preexec_fn=preexec)
+        proc = subprocess.Popen(
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=dict(env) if env is not None else None,
+            preexec_fn=preexec,
+        )
     daemon = DaemonProcess(socket_path, port, state_dir, log_path, proc, list(extra_args or []))
 
     def ready() -> bool:
@@ -220,8 +244,9 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
     from torchpulse.probes.config import AgentConfig
     from torchpulse.probes.identity import current_identity
 
-    agent = Agent(AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=probes, **config),
-                  current_identity())  # type: ignore[arg-type]
+    agent = Agent(
+        AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=probes, **config), current_identity()
+    )  # type: ignore[arg-type]
     for name in probes:
         probe = _make_probe(name, agent)
         assert probe is not None, name
@@ -235,8 +260,7 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
 TOOL_PACKAGES = {"promtool": "prometheus", "prometheus": "prometheus"}
 
 
-def as_user(call: Callable[[], tuple[int, bytes]], uid: int,
-            groups: list[int] | None = None) -> tuple[int, bytes]:
+def as_user(call: Callable[[], tuple[int, bytes]], uid: int, groups: list[int] | None = None) -> tuple[int, bytes]:
     """`call()` in a forked child that dropped to `uid` (with supplementary `groups`, else none): the exit
     code and bytes it returned (99 and the exception's repr if it raised). Forked, not exec'd: the venv's
     python is not executable by other users here. Needs root."""
@@ -297,23 +321,32 @@ def rejected_frames(daemon: DaemonProcess) -> dict[str, float]:
     return {dict(k)["reason"]: v for k, v in samples.items() if v}
 
 
-def run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: str
-            ) -> subprocess.CompletedProcess[str]:
+def run_job(source: str, tmp_path: Path, run: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """`torchpulse run --run-name RUN -- python job.py ARGS` for a job script with `source`."""
     script = tmp_path / "job.py"
     script.write_text(source)
     return subprocess.run(
         [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, str(script), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def run_inline_ranks(source: str, tmp: Path, timeout: float, world: int = 2) -> list[tuple[str, str, int]]:
     """`python -c SOURCE RANK TMP/store TMP` for each rank, with RANK and WORLD_SIZE set as torchrun sets
     them; (stdout, stderr, exit status) of each, in rank order."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", source, str(r), str(tmp / "store"), str(tmp)],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world)})
+        subprocess.Popen(
+            [sys.executable, "-c", source, str(r), str(tmp / "store"), str(tmp)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world)},
+        )
         for r in range(world)
     ]
     outputs = [p.communicate(timeout=timeout) for p in procs]

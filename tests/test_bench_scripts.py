@@ -15,8 +15,15 @@ import pytest
 from bench.harness import Variant, bench_dir, interleaved, median_interval, paired_ratio, paired_ratios, percentile
 from tests.support import REPO
 
-SCRIPTS = ["overhead.py", "compile_overhead.py", "autograd_overhead.py", "ingest.py", "load.py", "checkpoint.py",
-           "watcher_latency.py"]
+SCRIPTS = [
+    "overhead.py",
+    "compile_overhead.py",
+    "autograd_overhead.py",
+    "ingest.py",
+    "load.py",
+    "checkpoint.py",
+    "watcher_latency.py",
+]
 
 
 def test_paired_ratio_is_the_median_of_per_round_block_median_ratios() -> None:

@@ -31,12 +31,16 @@ HELLO = Hello("r", 1, 1, 2, 42, "h", "2.13.0", "0.1.0", "python train.py", 1.0)
 
 def test_batch_round_trips_through_a_frame() -> None:
     """A batch encoded into a frame decodes to an equal batch."""
-    batch = Batch(7, 2.5, [Sample("optimizer_steps_total", ("AdamW#0",), 3.0)],
-                  [HistogramSample("optimizer_step_duration_seconds", ("AdamW#0",), (1, 2, 0), 0.5)],
-                  [LogEvent(1.0, "info", "recompile", {"reason": "size", "n": 1})])
+    batch = Batch(
+        7,
+        2.5,
+        [Sample("optimizer_steps_total", ("AdamW#0",), 3.0)],
+        [HistogramSample("optimizer_step_duration_seconds", ("AdamW#0",), (1, 2, 0), 0.5)],
+        [LogEvent(1.0, "info", "recompile", {"reason": "size", "n": 1})],
+    )
     frame = encode(batch)
-    assert FrameReader().feed(frame) == [frame[HEADER.size:]]
-    assert batch == decode_agent_frame(frame[HEADER.size:])
+    assert FrameReader().feed(frame) == [frame[HEADER.size :]]
+    assert batch == decode_agent_frame(frame[HEADER.size :])
 
 
 def test_reader_reassembles_frames_split_anywhere() -> None:
@@ -44,7 +48,7 @@ def test_reader_reassembles_frames_split_anywhere() -> None:
     frames = encode(HELLO) + encode(Batch(1, 0.0, [], [], []))
     reader, bodies = FrameReader(), []
     for i in range(len(frames)):
-        bodies += reader.feed(frames[i:i + 1])
+        bodies += reader.feed(frames[i : i + 1])
     assert [HELLO, Batch(1, 0.0, [], [], [])] == [decode_agent_frame(b) for b in bodies]
 
 

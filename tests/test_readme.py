@@ -28,10 +28,17 @@ def test_every_agent_family_is_in_the_readme() -> None:
 def test_every_daemon_family_is_in_the_readme() -> None:
     """Each family the daemon's own collectors export has a row in the README's metric tables."""
     daemon = Daemon(Config())
-    exported = {name.removeprefix("torchpulse_").removesuffix("_bucket").removesuffix("_count")
-                .removesuffix("_sum") for name, _ in parse_exposition(daemon.exposition.render().decode())}
-    undocumented = {name for name in exported if name not in _documented() and f"{name}_total" not in _documented()
-                    and name.removesuffix("_total") not in _documented()}
+    exported = {
+        name.removeprefix("torchpulse_").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+        for name, _ in parse_exposition(daemon.exposition.render().decode())
+    }
+    undocumented = {
+        name
+        for name in exported
+        if name not in _documented()
+        and f"{name}_total" not in _documented()
+        and name.removesuffix("_total") not in _documented()
+    }
     assert set() == undocumented
 
 
@@ -64,7 +71,7 @@ def test_metric_tables_give_each_family_its_type_and_labels() -> None:
 
 def _backticked_after(intro: str, end: str) -> set[str]:
     start = README.index(intro) + len(intro)
-    return set(re.findall(r"`([a-z_]+)`", README[start:README.index(end, start)]))
+    return set(re.findall(r"`([a-z_]+)`", README[start : README.index(end, start)]))
 
 
 def test_listed_label_values_are_the_codes_own() -> None:
@@ -80,7 +87,7 @@ def test_the_alerts_listed_are_the_rules_files() -> None:
     """The alert names in "Dashboards and alerts" are exactly those of dashboards/prometheus/torchpulse.rules.yml."""
     rules = (REPO / "dashboards" / "prometheus" / "torchpulse.rules.yml").read_text()
     start = README.index("`dashboards/prometheus/torchpulse.rules.yml`: alerts")
-    listed = set(re.findall(r"\b[A-Z][a-z]+(?:[A-Z][a-z]+)+\b", README[start:README.index("recording rules", start)]))
+    listed = set(re.findall(r"\b[A-Z][a-z]+(?:[A-Z][a-z]+)+\b", README[start : README.index("recording rules", start)]))
     assert set(re.findall(r"^\s*- alert:\s*(\S+)", rules, flags=re.MULTILINE)) == listed
 
 
@@ -90,8 +97,12 @@ def test_every_torchpulse_command_shown_parses() -> None:
     from torchpulse.checkpoints import cli as check_cli
 
     blocks = re.findall(r"```sh\n(.*?)```", README, flags=re.DOTALL)
-    commands = [shlex.split(line, comments=True)[1:] for block in blocks
-                for line in block.splitlines() if line.startswith("torchpulse ")]
+    commands = [
+        shlex.split(line, comments=True)[1:]
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith("torchpulse ")
+    ]
     assert len(commands) > 15
     refused = []
     for argv in commands:

@@ -30,8 +30,7 @@ class HeldReplies:
     metrics listener's responses both go through one of these.
     """
 
-    def __init__(self, budget: int, chunk: int, on_cut_off: Callable[[int], None],
-                 log_interval: float = 60.0) -> None:
+    def __init__(self, budget: int, chunk: int, on_cut_off: Callable[[int], None], log_interval: float = 60.0) -> None:
         self.budget = budget
         self.chunk = chunk
         # Told how many connections were cut off, once per `log_interval` at most: a client connecting in
@@ -79,7 +78,7 @@ class HeldReplies:
                 writer.write(prefix)
             view = memoryview(body)
             for start in range(0, len(view), self.chunk):
-                writer.write(view[start:start + self.chunk])
+                writer.write(view[start : start + self.chunk])
                 await writer.drain()
             await writer.drain()
         finally:

@@ -23,10 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     daemon.add_argument("--socket", type=str, help="agent socket path")
     daemon.add_argument("--listen", type=str, help="metrics HTTP listener, HOST:PORT")
     daemon.add_argument("--state-dir", type=str, help="state directory")
-    daemon.add_argument("--log-format", choices=LOG_FORMATS,
-                        help="log format on stderr (default: the config's, auto: JSON unless stderr is a terminal)")
-    daemon.add_argument("--log-level", choices=LOG_LEVELS,
-                        help="minimum log level (default: the config's, info)")
+    daemon.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="log format on stderr (default: the config's, auto: JSON unless stderr is a terminal)",
+    )
+    daemon.add_argument("--log-level", choices=LOG_LEVELS, help="minimum log level (default: the config's, info)")
 
     run = sub.add_parser("run", help="run a command with the agent attached (no code change)")
     run.add_argument("--socket", type=str, help="daemon socket (default: TORCHPULSE_SOCKET or the default path)")
@@ -50,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bounded_int(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an integer in [low, high] (msgpack cannot carry larger ones, and agents refuse them)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -58,6 +61,7 @@ def _bounded_int(low: int, high: int) -> Callable[[str], int]:
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {value}")
         return value
+
     return parse
 
 
@@ -72,9 +76,11 @@ def _bounded_float(low: float, high: float, low_open: bool = False) -> Callable[
     def parse(text: str) -> float:
         value = _float(text)
         if not (low < value <= high if low_open else low <= value <= high):
-            raise argparse.ArgumentTypeError(f"must be from {low:g}{' (exclusive)' if low_open else ''} to "
-                                             f"{high:g}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"must be from {low:g}{' (exclusive)' if low_open else ''} to {high:g}, got {text}"
+            )
         return value
+
     return parse
 
 
@@ -86,6 +92,7 @@ def _sample_rate(low: float) -> Callable[[str], float]:
         if not low <= value <= 1:  # NaN fails here too
             raise argparse.ArgumentTypeError(f"must be 0 (off) or from {low:g} to 1, got {text}")
         return value
+
     return parse
 
 
@@ -94,11 +101,16 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run", required=True, help="run to address")
-    common.add_argument("--rank", type=_bounded_int(0, 2**63 - 1), action="append",
-                        help="rank to address (repeatable; default all)")
+    common.add_argument(
+        "--rank", type=_bounded_int(0, 2**63 - 1), action="append", help="rank to address (repeatable; default all)"
+    )
     common.add_argument("--socket", type=str, help="daemon socket")
-    common.add_argument("--timeout", type=_bounded_float(0, MAX_COMMAND_TIMEOUT, low_open=True), default=30.0,
-                        help="seconds to wait for the ranks' answers (a trace answers once its file is written)")
+    common.add_argument(
+        "--timeout",
+        type=_bounded_float(0, MAX_COMMAND_TIMEOUT, low_open=True),
+        default=30.0,
+        help="seconds to wait for the ranks' answers (a trace answers once its file is written)",
+    )
     ctl = sub.add_parser("ctl", help="send a command to the agents of a running job")
     actions = ctl.add_subparsers(dest="action", required=True)
     actions.add_parser("status", parents=[common], help="probes, sampling, buffer fill, last step")
@@ -113,8 +125,11 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     trace = actions.add_parser("trace", parents=[common], help="capture a torch.profiler trace of N steps")
     trace.add_argument("--steps", type=_bounded_int(1, MAX_TRACE_STEPS), required=True)
     trace.add_argument("--out", required=True, help="directory for the Chrome-trace JSON files")
-    trace.add_argument("--start-step", type=_bounded_int(0, 2**63 - 1),
-                       help="first step to trace (default: the same near step on all ranks)")
+    trace.add_argument(
+        "--start-step",
+        type=_bounded_int(0, 2**63 - 1),
+        help="first step to trace (default: the same near step on all ranks)",
+    )
     actions.add_parser("cudagraph-dump", parents=[common], help="CUDA-graph tree state, read on the training thread")
 
 
@@ -196,8 +211,10 @@ def _client_error(path: Path, exc: Exception, socket_arg: str | None = None) -> 
         elif os.environ.get("TORCHPULSE_SOCKET"):
             text += " (from TORCHPULSE_SOCKET; is a daemon listening there?)"
         else:
-            text += (" (the default path; start `torchpulse daemon`, or name another daemon's socket with "
-                     "--socket PATH or TORCHPULSE_SOCKET)")
+            text += (
+                " (the default path; start `torchpulse daemon`, or name another daemon's socket with "
+                "--socket PATH or TORCHPULSE_SOCKET)"
+            )
     return printable(text)
 
 

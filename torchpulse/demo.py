@@ -56,8 +56,11 @@ def _wait_validated(url: str, expected: int, timeout: float = 90.0) -> None:
     """Checkpoint validation runs in a worker after the save: give it time to report."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        total = sum(float(line.rsplit(" ", 1)[1]) for line in _scrape(url).splitlines()
-                    if line.startswith("torchpulse_checkpoint_validations_total{"))
+        total = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in _scrape(url).splitlines()
+            if line.startswith("torchpulse_checkpoint_validations_total{")
+        )
         if total >= expected:
             return
         time.sleep(0.5)
@@ -95,8 +98,10 @@ def _save_failure(entry: dict[str, Any]) -> str:
 
 
 def _nonfinite(entry: dict[str, Any]) -> str:
-    return (f"pass {entry.get('pass_index')} ({entry.get('kind')}): non-finite gradients in "
-            f"{entry.get('parameters')} of {entry.get('checked')} parameters: {entry.get('names')}")
+    return (
+        f"pass {entry.get('pass_index')} ({entry.get('kind')}): non-finite gradients in "
+        f"{entry.get('parameters')} of {entry.get('checked')} parameters: {entry.get('names')}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,25 +120,68 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== starting the daemon (socket {sock}, metrics {url})")
     with log.open("wb") as log_file:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--config", str(config),
-             "--listen", f"127.0.0.1:{port}", "--state-dir", str(workdir / "state")],
-            stdout=log_file, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "daemon",
+                "--socket",
+                str(sock),
+                "--config",
+                str(config),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--state-dir",
+                str(workdir / "state"),
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
         )
     try:
         _wait_ready(url, daemon, log)
         checkpoints = workdir / "checkpoints"
-        job_args = ["--steps", str(args.steps), "--compile", "--nan-at-step", str(max(1, args.steps // 4)),
-                    "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(max(1, args.steps // 2)),
-                    "--fail-save-at-step", str(max(1, args.steps * 3 // 4))]
-        job = [sys.executable, "-m", "torchpulse", "run", "--socket", str(sock), "--run-name", "demo", "--",
-               sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "-m", "torchpulse.demo_job", *job_args]
+        job_args = [
+            "--steps",
+            str(args.steps),
+            "--compile",
+            "--nan-at-step",
+            str(max(1, args.steps // 4)),
+            "--checkpoint-dir",
+            str(checkpoints),
+            "--checkpoint-every",
+            str(max(1, args.steps // 2)),
+            "--fail-save-at-step",
+            str(max(1, args.steps * 3 // 4)),
+        ]
+        job = [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "run",
+            "--socket",
+            str(sock),
+            "--run-name",
+            "demo",
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.ranks}",
+            "-m",
+            "torchpulse.demo_job",
+            *job_args,
+        ]
         # The command as it runs (`torchrun` is `python -m torch.distributed.run`), so it can be copied.
-        print(f"== training: torchpulse run --socket {sock} --run-name demo -- torchrun --standalone "
-              f"--nproc-per-node {args.ranks} -m torchpulse.demo_job {' '.join(job_args)}")
-        print("   (a compiled metric that breaks its graph and recompiles both halves when the sequence\n"
-              "    length doubles, one injected NaN gradient,\n"
-              "    DCP checkpoints that the daemon validates, and one checkpoint save that fails on purpose)")
+        print(
+            f"== training: torchpulse run --socket {sock} --run-name demo -- torchrun --standalone "
+            f"--nproc-per-node {args.ranks} -m torchpulse.demo_job {' '.join(job_args)}"
+        )
+        print(
+            "   (a compiled metric that breaks its graph and recompiles both halves when the sequence\n"
+            "    length doubles, one injected NaN gradient,\n"
+            "    DCP checkpoints that the daemon validates, and one checkpoint save that fails on purpose)"
+        )
         started = time.monotonic()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         result = subprocess.run(job, env=env, check=False)
@@ -147,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_probe_table(rows))
         for line in _logged(log, "autograd.nonfinite_gradients", _nonfinite):
             print(f"   daemon log: {line}")
-        print("\n== where backward time goes: node types timed on sampled passes (the first pass, then about\n"
-              "   every 100th: TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY), slowest first\n")
+        print(
+            "\n== where backward time goes: node types timed on sampled passes (the first pass, then about\n"
+            "   every 100th: TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY), slowest first\n"
+        )
         print(format_node_times(rows))
-        print("\n== checkpoint saves the probe counted (the failure is the job's deliberate one; alert: "
-              "CheckpointSaveFailed)\n")
+        print(
+            "\n== checkpoint saves the probe counted (the failure is the job's deliberate one; alert: "
+            "CheckpointSaveFailed)\n"
+        )
         print(format_checkpoint_saves(rows))
         for line in _logged(log, "checkpoint save failed", _save_failure):
             print(f"   daemon log: {line}")
@@ -159,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_checkpoints(exposition))
         latest = max(checkpoints.glob("step-*"))
         shard = crash_an_overwrite(latest)
-        print(f"\n== a save into {latest.name}/ that died half way (simulated: {shard.name} rewritten in place "
-              "under\n   the old .metadata, which dcp.load accepts); once the shards are quiet for "
-              f"incomplete_after_seconds\n   ({DEMO_INCOMPLETE_AFTER_SECONDS} s here, 30 min by default) the daemon "
-              "validates it again (alert: CheckpointInvalid)\n")
+        print(
+            f"\n== a save into {latest.name}/ that died half way (simulated: {shard.name} rewritten in place "
+            "under\n   the old .metadata, which dcp.load accepts); once the shards are quiet for "
+            f"incomplete_after_seconds\n   ({DEMO_INCOMPLETE_AFTER_SECONDS} s here, 30 min by default) the daemon "
+            "validates it again (alert: CheckpointInvalid)\n"
+        )
         _wait_validated(url, expected=3)
         exposition = _scrape(url)
         print(format_checkpoints(exposition))
@@ -174,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             if line.startswith("torchpulse_optimizer_steps_total") or line.startswith("torchpulse_agent_up"):
                 print(f"   {line}")
         if args.keep:
-            print(f"\nMetrics: {url}\nThe daemon keeps running (pid {daemon.pid}, log {log}); "
-                  f"stop it with: kill {daemon.pid}")
+            print(
+                f"\nMetrics: {url}\nThe daemon keeps running (pid {daemon.pid}, log {log}); "
+                f"stop it with: kill {daemon.pid}"
+            )
         else:
-            print(f"\nMetrics were served at {url}; the daemon stops now. "
-                  "`.venv/bin/python -m torchpulse.demo --keep` leaves it running.")
+            print(
+                f"\nMetrics were served at {url}; the daemon stops now. "
+                "`.venv/bin/python -m torchpulse.demo --keep` leaves it running."
+            )
         return result.returncode
     finally:
         if not args.keep:

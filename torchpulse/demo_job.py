@@ -64,15 +64,19 @@ def _save_that_fails(model: nn.Module, optimizer: torch.optim.Optimizer, step: i
     target = Path("/dev/null") / f"step-{step:06d}"
     loud = int(os.environ.get("RANK", "0")) == 0
     if loud:
-        print(f"demo_job: step {step}: DELIBERATE failing checkpoint save to {target} (cannot be a directory)",
-              flush=True)
+        print(
+            f"demo_job: step {step}: DELIBERATE failing checkpoint save to {target} (cannot be a directory)", flush=True
+        )
     try:
         _save(model, optimizer, target)
     except CheckpointException as exc:  # a BaseException in torch 2.13: `except Exception` misses it
         if loud:
             cause = next(iter(exc.failures.values()))[0]
-            print(f"demo_job: step {step}: the deliberate save failed as intended ({type(exc).__name__}: "
-                  f"{type(cause).__name__}); caught, training goes on", flush=True)
+            print(
+                f"demo_job: step {step}: the deliberate save failed as intended ({type(exc).__name__}: "
+                f"{type(cause).__name__}); caught, training goes on",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nan-at-step", type=int, default=-1, help="make one gradient NaN at this step")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a DCP checkpoint here every --checkpoint-every")
     parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--fail-save-at-step", type=int, default=-1,
-                        help="attempt one checkpoint save that fails on purpose at this step (caught)")
+    parser.add_argument(
+        "--fail-save-at-step",
+        type=int,
+        default=-1,
+        help="attempt one checkpoint save that fails on purpose at this step (caught)",
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -111,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(tokens)
         targets = tokens.roll(-1, dims=1)
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        hook = (head_bias.register_hook(lambda g: g * float("nan"))  # type: ignore[no-untyped-call]
-                if step == args.nan_at_step else None)
+        hook = (
+            head_bias.register_hook(lambda g: g * float("nan"))  # type: ignore[no-untyped-call]
+            if step == args.nan_at_step
+            else None
+        )
         loss.backward()
         if hook is not None:
             hook.remove()

@@ -28,8 +28,7 @@ BOOTSTRAP_OFF = {
 }
 
 
-def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None,
-               probes: str | None) -> dict[str, str]:
+def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None, probes: str | None) -> dict[str, str]:
     """The environment CMD runs in: socket, run name, bootstrap first on PYTHONPATH."""
     env = dict(base)
     # Absolute: the job may change directory (Hydra does) before its agent first connects.
@@ -69,8 +68,9 @@ def probes_error(probes: str | None) -> str | None:
     return None
 
 
-def launch(cmd: Sequence[str], *, socket: str | None = None, run_name: str | None = None,
-           probes: str | None = None) -> int:
+def launch(
+    cmd: Sequence[str], *, socket: str | None = None, run_name: str | None = None, probes: str | None = None
+) -> int:
     if not cmd:
         print(USAGE, file=sys.stderr)
         return 2

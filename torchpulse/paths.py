@@ -24,8 +24,10 @@ def socket_path_too_long(path: str | os.PathLike[str]) -> str | None:
     length = len(os.fsencode(path))
     if length <= MAX_SOCKET_PATH_BYTES:
         return None
-    return (f"the path is {length} bytes long; a Unix socket path may have at most {MAX_SOCKET_PATH_BYTES} "
-            f"bytes ({MAX_SOCKET_PATH_BYTES + 1} with the terminating NUL)")
+    return (
+        f"the path is {length} bytes long; a Unix socket path may have at most {MAX_SOCKET_PATH_BYTES} "
+        f"bytes ({MAX_SOCKET_PATH_BYTES + 1} with the terminating NUL)"
+    )
 
 
 def default_socket_path(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
@@ -52,8 +54,9 @@ def user_socket_paths(env: Mapping[str, str] | None = None, uid: int | None = No
     return tuple(dict.fromkeys((default_socket_path(env, uid), _tmp_socket_path(uid))))
 
 
-def agent_socket_path(env: Mapping[str, str] | None = None, uid: int | None = None,
-                      system_socket: Path = SYSTEM_SOCKET) -> Path:
+def agent_socket_path(
+    env: Mapping[str, str] | None = None, uid: int | None = None, system_socket: Path = SYSTEM_SOCKET
+) -> Path:
     """Where an agent or client looks for the daemon: `TORCHPULSE_SOCKET`; else the user's own
     daemon's socket when it exists; else the system service's socket when it exists; else the
     user's default (a daemon started later in this session)."""
@@ -93,10 +96,15 @@ def foreign_control(directory: Path, trusted: tuple[int, ...]) -> str | None:
     for entry, info in seen:
         if info.st_uid not in trusted:
             return f"{entry} belongs to uid {info.st_uid}, who could replace the socket; choose a directory of your own"
-        if (stat.S_ISDIR(info.st_mode) and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-                and not info.st_mode & stat.S_ISVTX):
-            return (f"{entry} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), "
-                    "who could replace the socket")
+        if (
+            stat.S_ISDIR(info.st_mode)
+            and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            and not info.st_mode & stat.S_ISVTX
+        ):
+            return (
+                f"{entry} is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), "
+                "who could replace the socket"
+            )
     return None
 
 

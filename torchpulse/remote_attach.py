@@ -46,8 +46,9 @@ def write_script(socket: str | None, run_name: str | None) -> str:
     fd, path = tempfile.mkstemp(prefix="torchpulse-attach-", suffix=".py")
     # Absolute: the target resolves it from its own working directory.
     socket_path = str(Path(socket).absolute()) if socket else str(agent_socket_path())
-    script = SCRIPT.format(path=path, parent=str(PACKAGE_PARENT), socket=socket_path,
-                           run=f", run={run_name!r}" if run_name else "")
+    script = SCRIPT.format(
+        path=path, parent=str(PACKAGE_PARENT), socket=socket_path, run=f", run={run_name!r}" if run_name else ""
+    )
     with os.fdopen(fd, "w") as handle:
         handle.write(script)
     Path(path).chmod(0o644)
@@ -57,9 +58,12 @@ def write_script(socket: str | None, run_name: str | None) -> str:
 def attach_pid(pid: int, socket: str | None = None, run_name: str | None = None) -> int:
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is None:
-        print(f"torchpulse: attach needs Python >= 3.14 (sys.remote_exec); this is "
-              f"{sys.version_info.major}.{sys.version_info.minor}. Start the job under "
-              "`torchpulse run -- ...` or call torchpulse.attach() instead.", file=sys.stderr)
+        print(
+            f"torchpulse: attach needs Python >= 3.14 (sys.remote_exec); this is "
+            f"{sys.version_info.major}.{sys.version_info.minor}. Start the job under "
+            "`torchpulse run -- ...` or call torchpulse.attach() instead.",
+            file=sys.stderr,
+        )
         return 2
     try:
         os.kill(pid, 0)
@@ -67,8 +71,7 @@ def attach_pid(pid: int, socket: str | None = None, run_name: str | None = None)
         print(f"torchpulse: no process {pid}", file=sys.stderr)
         return 2
     except PermissionError:
-        print(f"torchpulse: process {pid} belongs to another user; run this as that user (or root)",
-              file=sys.stderr)
+        print(f"torchpulse: process {pid} belongs to another user; run this as that user (or root)", file=sys.stderr)
         return 2
     path = write_script(socket, run_name)
     try:
@@ -77,6 +80,8 @@ def attach_pid(pid: int, socket: str | None = None, run_name: str | None = None)
         Path(path).unlink(missing_ok=True)
         print(f"torchpulse: could not inject into {pid}: {exc}", file=sys.stderr)
         return 1
-    print(f"torchpulse: agent injection scheduled in process {pid} (script {path}); it attaches at the "
-          "process's next safe point and shows up in `torchpulse status` at its next optimizer step")
+    print(
+        f"torchpulse: agent injection scheduled in process {pid} (script {path}); it attaches at the "
+        "process's next safe point and shows up in `torchpulse status` at its next optimizer step"
+    )
     return 0

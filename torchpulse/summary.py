@@ -133,10 +133,17 @@ def _count(row: RankSummary, name: str) -> str:
 def format_table(rows: list[RankSummary]) -> str:
     header = ("run", "rank", "up", "steps", "step p50", "step p99", "learning rate", "state size", "dropped")
     body = [
-        (r.run, r.rank, "yes" if r.up else "exited" if r.exited else "no", f"{r.steps:.0f}", _seconds(r.p50),
-         _seconds(r.p99),
-         ", ".join(f"{v:.3g}" for v in r.learning_rates.values()) or "-", _bytes(r.state_bytes),
-         f"{r.dropped:.0f}")
+        (
+            r.run,
+            r.rank,
+            "yes" if r.up else "exited" if r.exited else "no",
+            f"{r.steps:.0f}",
+            _seconds(r.p50),
+            _seconds(r.p99),
+            ", ".join(f"{v:.3g}" for v in r.learning_rates.values()) or "-",
+            _bytes(r.state_bytes),
+            f"{r.dropped:.0f}",
+        )
         for r in rows
     ]
     return _table(header, body)
@@ -144,13 +151,27 @@ def format_table(rows: list[RankSummary]) -> str:
 
 def format_probe_table(rows: list[RankSummary]) -> str:
     """What the autograd and compile probes saw, per rank."""
-    header = ("run", "rank", "backward passes", "non-finite passes", "recompiles", "graph breaks",
-              "compiled frames", "cudagraph skips")
+    header = (
+        "run",
+        "rank",
+        "backward passes",
+        "non-finite passes",
+        "recompiles",
+        "graph breaks",
+        "compiled frames",
+        "cudagraph skips",
+    )
     body = [
-        (r.run, r.rank, _count(r, "torchpulse_backward_passes_total"),
-         _count(r, "torchpulse_grad_nonfinite_passes_total"), _count(r, "torchpulse_recompiles_total"),
-         _count(r, "torchpulse_graph_breaks_total"), _count(r, "torchpulse_compile_frames_total"),
-         _count(r, "torchpulse_cudagraph_skips_total"))
+        (
+            r.run,
+            r.rank,
+            _count(r, "torchpulse_backward_passes_total"),
+            _count(r, "torchpulse_grad_nonfinite_passes_total"),
+            _count(r, "torchpulse_recompiles_total"),
+            _count(r, "torchpulse_graph_breaks_total"),
+            _count(r, "torchpulse_compile_frames_total"),
+            _count(r, "torchpulse_cudagraph_skips_total"),
+        )
         for r in rows
     ]
     return _table(header, body)
@@ -173,9 +194,15 @@ def format_checkpoint_saves(rows: list[RankSummary]) -> str:
     """What the checkpoint probe counted, per rank: saves that returned and saves that raised."""
     header = ("run", "rank", "saves", "failed saves", "failures by api and error")
     body = [
-        (r.run, r.rank, f"{r.checkpoint_saves:.0f}", f"{sum(r.save_failures.values()):.0f}",
-         ", ".join(f"{key} x{count:.0f}" for key, count in sorted(r.save_failures.items())) or "-")
-        for r in rows if r.checkpoint_saves or r.save_failures
+        (
+            r.run,
+            r.rank,
+            f"{r.checkpoint_saves:.0f}",
+            f"{sum(r.save_failures.values()):.0f}",
+            ", ".join(f"{key} x{count:.0f}" for key, count in sorted(r.save_failures.items())) or "-",
+        )
+        for r in rows
+        if r.checkpoint_saves or r.save_failures
     ]
     return _table(header, body) if body else "no checkpoint saves"
 
@@ -195,14 +222,23 @@ def format_checkpoints(exposition: str) -> str:
                 status[root] = sample.labels["status"]
             elif sample.name == "torchpulse_checkpoint_findings" and sample.value > 0:
                 findings.setdefault(root, []).append(
-                    f"{sample.labels['rule']} {sample.labels['severity']} x{sample.value:.0f}")
+                    f"{sample.labels['rule']} {sample.labels['severity']} x{sample.value:.0f}"
+                )
             elif sample.name == "torchpulse_checkpoint_bytes":
                 size[root] = sample.value
             elif sample.name == "torchpulse_checkpoint_validations_total":
                 validations[root] = validations.get(root, 0.0) + sample.value
     header = ("root", "latest status", "validations", "size", "findings")
-    body = [(root, status.get(root, "-"), f"{validations.get(root, 0):.0f}", _bytes(size.get(root, 0.0)),
-             "; ".join(findings.get(root, [])) or "none") for root in sorted(set(status) | set(validations))]
+    body = [
+        (
+            root,
+            status.get(root, "-"),
+            f"{validations.get(root, 0):.0f}",
+            _bytes(size.get(root, 0.0)),
+            "; ".join(findings.get(root, [])) or "none",
+        )
+        for root in sorted(set(status) | set(validations))
+    ]
     return _table(header, body) if body else "no checkpoint roots"
 
 

@@ -86,8 +86,9 @@ def test_worker_memory_limit_is_an_error_result(single_root: Path) -> None:
 def _run_cli(*argv: str) -> subprocess.CompletedProcess[bytes]:
     """The CLI in a child with a UTF-8 stdout, as on a terminal (capsys would hide encoding errors)."""
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-m", "torchpulse", "check", *argv], capture_output=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "check", *argv], capture_output=True, env=env, timeout=120
+    )
 
 
 def test_hostile_names_are_escaped_in_text_and_json(single_root: Path, tmp_path: Path) -> None:
@@ -96,8 +97,10 @@ def test_hostile_names_are_escaped_in_text_and_json(single_root: Path, tmp_path:
     shutil.copytree(single_root / "single", ckpt)
     evil = b"\x1b]0;owned\x07\x1b[2J\xe2\x80\xae\xff.distcp"  # title, clear screen, right-to-left override, not UTF-8
     shutil.copy(ckpt / "__0_0.distcp", os.fsencode(ckpt) + b"/" + evil)
-    text, as_json = _run_cli(str(ckpt), "--level", "metadata"), _run_cli(str(ckpt), "--level", "metadata",
-                                                                      "--format", "json")
+    text, as_json = (
+        _run_cli(str(ckpt), "--level", "metadata"),
+        _run_cli(str(ckpt), "--level", "metadata", "--format", "json"),
+    )
     subjects = [f["subject"] for f in json.loads(as_json.stdout)["findings"]]
     assert (0, 0, [os.fsdecode(evil)]) == (text.returncode, as_json.returncode, subjects), text.stderr
     raw = text.stdout + as_json.stdout
@@ -139,14 +142,19 @@ def test_text_summary_counts_findings_that_were_not_listed() -> None:
     from torchpulse.checkpoints.model import Finding, Severity, ValidationResult
     from torchpulse.checkpoints.validate import MAX_FINDINGS_PER_RULE, capped
 
-    findings = [Finding("TP-CKPT-007", Severity.ERROR, f"w.{i}", "chunk without a storage entry")
-                for i in range(MAX_FINDINGS_PER_RULE + 250)]
+    findings = [
+        Finding("TP-CKPT-007", Severity.ERROR, f"w.{i}", "chunk without a storage entry")
+        for i in range(MAX_FINDINGS_PER_RULE + 250)
+    ]
     listed, counts = capped(findings)
     result = ValidationResult("/ckpt", Status.INVALID, Level.METADATA, tuple(listed), {}, counts)
     lines = render_text(result).splitlines()
     total = MAX_FINDINGS_PER_RULE + 250
     assert (f"{total} errors;" in lines[0], lines[1].endswith(f"({total})"), lines[-1].strip()) == (
-        True, True, "error   ... and 250 more findings of this rule omitted")
+        True,
+        True,
+        "error   ... and 250 more findings of this rule omitted",
+    )
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(single_root: Path) -> None:
@@ -154,9 +162,23 @@ def test_a_reader_that_leaves_early_gets_no_traceback(single_root: Path) -> None
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is written
     try:
-        proc = subprocess.run([sys.executable, "-m", "torchpulse", "check", str(single_root / "single"),
-                               "--level", "metadata", "--format", "json"],
-                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "check",
+                str(single_root / "single"),
+                "--level",
+                "metadata",
+                "--format",
+                "json",
+            ],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert (141, "") == (proc.returncode, proc.stderr)

@@ -19,8 +19,12 @@ from torchpulse.checkpoints.cli import main
 def _check(*argv: str, **popen: object) -> subprocess.Popen[bytes]:
     """`python -m torchpulse check ARGV` in a child with SIGINT at its default, as at a terminal."""
     proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
-        [sys.executable, "-m", "torchpulse", "check", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        preexec_fn=sigint_as_at_a_terminal, **popen)
+        [sys.executable, "-m", "torchpulse", "check", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=sigint_as_at_a_terminal,
+        **popen,
+    )
     return proc
 
 
@@ -46,8 +50,10 @@ def test_a_root_of_checkpoints_is_a_usage_error_not_an_incomplete_save(single_ro
         shutil.copytree(single_root / "single", root / step)
     text, as_json = _check(str(root)), _check(str(root), "--format", "json")
     actual = [(p.wait(120), *p.communicate()) for p in (text, as_json)]
-    line = f"torchpulse check: {root}: not a checkpoint but a directory of checkpoints (step-1, step-2): " \
-           "check one of them\n"
+    line = (
+        f"torchpulse check: {root}: not a checkpoint but a directory of checkpoints (step-1, step-2): "
+        "check one of them\n"
+    )
     assert [(2, b"", line.encode())] * 2 == actual
 
 
@@ -70,12 +76,17 @@ def test_ctrl_c_mid_validation_stops_it_in_one_line_and_dies_of_sigint(single_ro
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     out, err = proc.communicate(timeout=60)
     assert (-signal.SIGINT, b"", b"torchpulse check: interrupted\n", False) == (
-        proc.returncode, out, err, Path(f"/proc/{validator[0]}").exists())
+        proc.returncode,
+        out,
+        err,
+        Path(f"/proc/{validator[0]}").exists(),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-def test_a_metadata_file_given_for_its_directory_is_one_line_exit_2(single_root: Path, fmt: str,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_metadata_file_given_for_its_directory_is_one_line_exit_2(
+    single_root: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """PATH naming the `.metadata` file itself exits 2 with one line on stderr and nothing on stdout."""
     path = str(single_root / "single" / ".metadata")
     code = main([path, "--format", fmt])

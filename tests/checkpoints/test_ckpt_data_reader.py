@@ -53,9 +53,7 @@ def large_item_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _read(path: Path, block_size: int, workers: int) -> DataReport:
     outcome = read_checkpoint(path)
     assert outcome.checkpoint is not None
-    return read_data(
-        outcome.checkpoint, frozenset({EXP_AVG, EXP_AVG_SQ}), block_size=block_size, workers=workers
-    )
+    return read_data(outcome.checkpoint, frozenset({EXP_AVG, EXP_AVG_SQ}), block_size=block_size, workers=workers)
 
 
 @pytest.mark.parametrize(("block_size", "workers"), [(4096, 2), (4096, 3), (1 << 20, 2), (4096, 1)])

@@ -49,9 +49,7 @@ def test_load_level_removes_its_rendezvous_directory(
     assert (Status.VALID, []) == (result.status, sorted(p.name for p in tmp_path.iterdir()))
 
 
-def test_load_level_never_lets_torch_unpickle_the_metadata(
-    single_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_load_level_never_lets_torch_unpickle_the_metadata(single_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's FileSystemReader reads .metadata with plain pickle: the load level must hand it our parse instead."""
     unpickled: list[object] = []
 

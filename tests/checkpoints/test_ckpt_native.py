@@ -74,8 +74,10 @@ def _chunks(draw: st.DrawFn, ndim: int) -> list[ChunkStorageMetadata]:
     ints = st.integers(0, 1 << 40)
     n = draw(st.integers(0, 4))
     return [
-        ChunkStorageMetadata(torch.Size(draw(st.lists(ints, min_size=ndim, max_size=ndim))),
-                             torch.Size(draw(st.lists(ints, min_size=ndim, max_size=ndim))))
+        ChunkStorageMetadata(
+            torch.Size(draw(st.lists(ints, min_size=ndim, max_size=ndim))),
+            torch.Size(draw(st.lists(ints, min_size=ndim, max_size=ndim))),
+        )
         for _ in range(n)
     ]
 
@@ -98,15 +100,28 @@ def metadata(draw: st.DrawFn) -> Metadata:
         sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, chunks)
         for i, chunk in enumerate(chunks):
             transforms = draw(st.sampled_from([None, [], ["zstd"], ("a", "b")]))
-            info = _StorageInfo(f"__{i}_0.distcp", draw(st.integers(0, 1 << 50)), draw(st.integers(0, 1 << 50)),
-                                transforms)
+            info = _StorageInfo(
+                f"__{i}_0.distcp", draw(st.integers(0, 1 << 50)), draw(st.integers(0, 1 << 50)), transforms
+            )
             storage[MetadataIndex(key, chunk.offsets, i)] = info
     planner = {key: tuple(key.split(".")) + draw(st.sampled_from([(), (0,), ("x", 1)])) for key in sdm}
-    meta = draw(st.sampled_from([None, StorageMeta(checkpoint_id=PosixPath("/ckpt/step-1"), save_id="s"),
-                                 StorageMeta(checkpoint_id="/ckpt", modules=["a"])]))
+    meta = draw(
+        st.sampled_from(
+            [
+                None,
+                StorageMeta(checkpoint_id=PosixPath("/ckpt/step-1"), save_id="s"),
+                StorageMeta(checkpoint_id="/ckpt", modules=["a"]),
+            ]
+        )
+    )
     version = draw(st.sampled_from(["1.0.0", "1.1.0", None, "2.0"]))
-    return Metadata(sdm, planner_data=draw(st.sampled_from([planner, None, {}])), storage_data=storage,
-                    storage_meta=meta, version=version)
+    return Metadata(
+        sdm,
+        planner_data=draw(st.sampled_from([planner, None, {}])),
+        storage_data=storage,
+        storage_meta=meta,
+        version=version,
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -189,15 +204,28 @@ def test_a_chunk_list_shared_by_many_tensors_is_declined_quickly() -> None:
     The Python path builds them all (slowly: that is where the C reader leaves it); the C
     reader bounds its work by the pickle's length instead of running out of memory first.
     """
-    chunk = _global(_DCP, b"ChunkStorageMetadata") + b")\x81}(" + _str(b"offsets") + b"K\x00\x85" + \
-        _str(b"sizes") + b"K\x01\x85ub"
+    chunk = (
+        _global(_DCP, b"ChunkStorageMetadata")
+        + b")\x81}("
+        + _str(b"offsets")
+        + b"K\x00\x85"
+        + _str(b"sizes")
+        + b"K\x01\x85ub"
+    )
     chunks = b"(" + chunk * 20_000 + b"l\x94" + b"0"
     props = _global(_DCP, b"TensorProperties") + b")\x81" + _global(b"torch", b"float32") + b"\x85b"
-    tensor = _global(_DCP, b"TensorStorageMetadata") + b")\x81}(" + _str(b"properties") + props + \
-        _str(b"size") + b"M\x20\x4e\x85" + _str(b"chunks") + b"h\x00ub"
+    tensor = (
+        _global(_DCP, b"TensorStorageMetadata")
+        + b")\x81}("
+        + _str(b"properties")
+        + props
+        + _str(b"size")
+        + b"M\x20\x4e\x85"
+        + _str(b"chunks")
+        + b"h\x00ub"
+    )
     items = b"".join(_str(str(i).encode()) + tensor for i in range(2_000))
-    data = b"\x80\x04" + chunks + EMPTY_METADATA[2:] + b"}(" + _str(b"state_dict_metadata") + b"}(" + items + \
-        b"uub."
+    data = b"\x80\x04" + chunks + EMPTY_METADATA[2:] + b"}(" + _str(b"state_dict_metadata") + b"}(" + items + b"uub."
     started = time.monotonic()
     with gc_paused():  # as the reader calls it
         assert native.parse(data) is None
@@ -271,18 +299,37 @@ def checkpoints(draw: st.DrawFn) -> Checkpoint:
     bytes_keys = frozenset(keys[2:])
     storage = tuple(
         StorageEntry(key, offsets, path, offset, length)
-        for key, offsets, path, offset, length in draw(st.lists(st.tuples(
-            st.sampled_from(["a", "b", "c", "d"]), _offsets, st.sampled_from(["f0", "f1", "gone"]),
-            st.integers(-3, 40), st.integers(-3, 20)), max_size=10))
+        for key, offsets, path, offset, length in draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["a", "b", "c", "d"]),
+                    _offsets,
+                    st.sampled_from(["f0", "f1", "gone"]),
+                    st.integers(-3, 40),
+                    st.integers(-3, 20),
+                ),
+                max_size=10,
+            )
+        )
     )
     if draw(st.booleans()):  # the common shape: one entry per chunk, laid out in order
-        storage = tuple(StorageEntry(t.key, c.offsets, "f0", 8 * i, 8) for t in tensors.values()
-                        for i, c in enumerate(t.chunks)) + tuple(StorageEntry(k, None, "f1", 0, 1) for k in bytes_keys)
+        storage = tuple(
+            StorageEntry(t.key, c.offsets, "f0", 8 * i, 8) for t in tensors.values() for i, c in enumerate(t.chunks)
+        ) + tuple(StorageEntry(k, None, "f1", 0, 1) for k in bytes_keys)
     files = {"f0": FileInfo("f0", draw(st.integers(0, 64)), 1), "f1": FileInfo("f1", draw(st.integers(0, 64)), 1)}
     names = draw(st.sampled_from([[".metadata"], ["__0.metadata", "__1.metadata"]]))
     metadata = tuple(FileInfo(n, 1, 2) for n in names)
-    return Checkpoint(path="/x", format=Format.TORCH_SAVE, metadata_files=metadata, version="1.0.0", tensors=tensors,
-                      bytes_keys=bytes_keys, storage=storage, key_paths={}, files=files)
+    return Checkpoint(
+        path="/x",
+        format=Format.TORCH_SAVE,
+        metadata_files=metadata,
+        version="1.0.0",
+        tensors=tensors,
+        bytes_keys=bytes_keys,
+        storage=storage,
+        key_paths={},
+        files=files,
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -291,8 +338,12 @@ def test_kernel_rules_report_what_the_python_rules_report(ckpt: Checkpoint, monk
     """TP-CKPT-006, -007, -009 and -010 with the kernels give the same findings as without them."""
     from torchpulse.checkpoints.rules.tiling import all_tilings
 
-    rules = [commit.items_past_eof, commit.overlapping_items, commit.chunks_without_storage,
-             lambda c: all_tilings(list(c.tensors.values()))]
+    rules = [
+        commit.items_past_eof,
+        commit.overlapping_items,
+        commit.chunks_without_storage,
+        lambda c: all_tilings(list(c.tensors.values())),
+    ]
     with_kernels = [rule(ckpt) for rule in rules]
     with monkeypatch.context() as m:
         m.setattr(kernels, "_kernels", None)

@@ -283,7 +283,9 @@ def test_sharded_tensors_pickled_whole_lose_all_ranks_shards_but_one(layouts: Pa
         assert (Status.VALID, NO_OPTIMIZER_STATE) == (result.status, findings_of(result))
     else:
         assert (Status.INVALID, [("TP-CKPT-027", "model"), ("TP-CKPT-027", "optim")]) == (
-            result.status, sorted((f.rule, f.subject) for f in result.findings if f.severity is Severity.ERROR))
+            result.status,
+            sorted((f.rule, f.subject) for f in result.findings if f.severity is Severity.ERROR),
+        )
 
 
 @pytest.mark.slow

@@ -208,7 +208,6 @@ def test_chunk_without_storage_entry() -> None:
     assert ["TP-CKPT-009"] == rules(commit.chunks_without_storage(ckpt))
 
 
-
 def test_findings_past_the_cap_of_their_rule_are_counted_and_summarised() -> None:
     """1,500 errors of one rule list 1,000 and one summary of the same severity; a small rule is listed whole."""
     findings = [Finding("TP-CKPT-009", Severity.ERROR, "w", f"chunk at [{i}] has no storage") for i in range(1500)]
@@ -232,6 +231,7 @@ def test_megabyte_keys_and_non_ascii_text_stay_inside_the_listed_bytes_budget() 
     assert len(json.dumps([f.to_json() for f in listed])) < MAX_LISTED_JSON_BYTES + (64 << 10)
     omitted = sum(int(f.message.split()[2].replace(",", "")) for f in summaries)
     assert 40_000 == len(listed) - len(summaries) + omitted
+
 
 def optim_checkpoint(exp_avg_shape: tuple[int, ...] = (4, 2), with_bias_exp_avg: bool = True) -> Checkpoint:
     tensors = [
@@ -284,8 +284,10 @@ def test_step_values_and_state_values() -> None:
 def test_a_step_too_large_for_a_float_is_reported_not_raised() -> None:
     """A hostile bytes item `step = 10**400`: float() of it raises OverflowError; the rule still reports."""
     layout = optimizer.parse_layout(optim_checkpoint())
-    items = {"optim.state.w.step": StoredBytes("optim.state.w.step", True, 10**400),
-             "optim.state.b.step": StoredBytes("optim.state.b.step", True, 3)}
+    items = {
+        "optim.state.w.step": StoredBytes("optim.state.w.step", True, 10**400),
+        "optim.state.b.step": StoredBytes("optim.state.b.step", True, 3),
+    }
     (found,) = optimizer.step_consistency(layout, [], items)
     assert found.rule == "TP-CKPT-016" and "3 for 1 (b)" in found.message and "1000000" in found.message
 
@@ -297,8 +299,13 @@ def test_no_optimizer_state_is_an_info_finding() -> None:
 
 
 _EXTRA = st.lists(
-    st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.sampled_from(["f", "g", "missing"]),
-              st.integers(-2, 50), st.integers(-1, 12)),
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(0, 2),
+        st.sampled_from(["f", "g", "missing"]),
+        st.integers(-2, 50),
+        st.integers(-1, 12),
+    ),
     max_size=4,
 )
 
@@ -314,8 +321,9 @@ def test_layout_rules_fast_paths_agree_with_the_exact_walks(
     storage = [StorageEntry(key, (o,), path, offset, length) for key, o, path, offset, length in raw]
     storage += [StorageEntry(key, None, "f", 50, 1) for key in sorted(bytes_keys)]
     tensors = [tensor(k, (4,), *(Chunk((o,), (1,)) for o in (0, 1))) for k in ("a", "b") if k not in bytes_keys]
-    ckpt = checkpoint(tensors, storage, {"f": FileInfo("f", 60, 50), "g": FileInfo("g", 8, 50)},
-                      bytes_keys=frozenset(bytes_keys))
+    ckpt = checkpoint(
+        tensors, storage, {"f": FileInfo("f", 60, 50), "g": FileInfo("g", 8, 50)}, bytes_keys=frozenset(bytes_keys)
+    )
     if per_rank:
         ckpt = replace(ckpt, metadata_files=(FileInfo("__0.metadata", 1, 100), FileInfo("__1.metadata", 1, 100)))
     assert commit._items_past_eof_exact(ckpt) == commit.items_past_eof(ckpt)
@@ -325,6 +333,7 @@ def test_layout_rules_fast_paths_agree_with_the_exact_walks(
 
 def test_sharded_tensors_inside_a_bytes_item_are_named_from_its_globals() -> None:
     """A pickle naming DTensor with a Shard placement, or ShardedTensor, holds rank-local data; Replicate alone not."""
+
     def pickle_of(*globals_: str) -> bytes:  # protocol 2, as torch.save writes: GLOBAL opcodes, never executed
         return b"\x80\x02" + b"".join(b"c" + g.replace(" ", "\n").encode() + b"\n" for g in globals_) + b"."
 
@@ -339,10 +348,18 @@ def test_sharded_tensors_inside_a_bytes_item_are_named_from_its_globals() -> Non
 
 def test_a_bytes_item_with_sharded_tensors_is_an_error_not_an_unverifiable_item() -> None:
     """TP-CKPT-027 names the item holding one rank's shards; TP-CKPT-025 keeps the other unverifiable items."""
-    items = [StoredBytes("model", False, None, "refused global torch._utils._rebuild_wrapper_subclass",
-                         "DTensor with Shard placements"),
-             StoredBytes("ema", False, None, "refused global types.SimpleNamespace"),
-             StoredBytes("epoch", True, 3)]
+    items = [
+        StoredBytes(
+            "model",
+            False,
+            None,
+            "refused global torch._utils._rebuild_wrapper_subclass",
+            "DTensor with Shard placements",
+        ),
+        StoredBytes("ema", False, None, "refused global types.SimpleNamespace"),
+        StoredBytes("epoch", True, 3),
+    ]
     assert ([("TP-CKPT-027", "model", "error")], [("TP-CKPT-025", "ema", "info")]) == (
         [(f.rule, f.subject, f.severity.value) for f in data.sharded_bytes(items)],
-        [(f.rule, f.subject, f.severity.value) for f in data.unverifiable_bytes(items)])
+        [(f.rule, f.subject, f.severity.value) for f in data.unverifiable_bytes(items)],
+    )

@@ -63,8 +63,9 @@ def _connect(path: Path, hello: Hello) -> socket.socket:
 
 
 def _connected(daemon: DaemonProcess, run: str) -> list[int]:
-    return sorted(r.rank for s in request_status(daemon.socket_path).runs if s.run == run
-                  for r in s.ranks if r.connected)
+    return sorted(
+        r.rank for s in request_status(daemon.socket_path).runs if s.run == run for r in s.ranks if r.connected
+    )
 
 
 class Ctl(threading.Thread):
@@ -81,14 +82,20 @@ class Ctl(threading.Thread):
 
 def test_a_log_field_named_self_is_logged_and_the_batch_kept(daemon: DaemonProcess) -> None:
     """Field names are the agent's: one that clashes with the logger's parameters costs nothing."""
-    events = [LogEvent(0.0, "info", f"odd.{n}", fields) for n, fields in
-              enumerate([{"a": 1}, {"self": "x", "event": "y"}, {"b": 2}])]
+    events = [
+        LogEvent(0.0, "info", f"odd.{n}", fields)
+        for n, fields in enumerate([{"a": 1}, {"self": "x", "event": "y"}, {"b": 2}])
+    ]
     with _connect(daemon.socket_path, _hello("fields", 0, os.getpid())) as sock:
         read_daemon_frame(sock)
         sock.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 3.0)], [], events)))
         wait_for(lambda: {"odd.0", "odd.1", "odd.2"} <= {str(e.get("event")) for e in daemon.log_lines()})
-        assert 3.0 == select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="fields")[
-            (("optimizer", "SGD#0"), ("rank", "0"), ("run", "fields"))]
+        assert (
+            3.0
+            == select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="fields")[
+                (("optimizer", "SGD#0"), ("rank", "0"), ("run", "fields"))
+            ]
+        )
     logged = next(e for e in daemon.log_lines() if e.get("event") == "odd.1")
     assert ("x", "y") == (logged["field_self"], logged["field_event"])
     assert {} == rejected_frames(daemon)
@@ -113,7 +120,8 @@ def test_a_reconnect_takes_the_rank_over_and_the_old_connection_goes_quiet(daemo
 
     def steps() -> float:
         return select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="takeover")[
-            (("optimizer", "SGD#0"), ("rank", "0"), ("run", "takeover"))]
+            (("optimizer", "SGD#0"), ("rank", "0"), ("run", "takeover"))
+        ]
 
     wait_for(lambda: 9.0 == steps())
     assert [0] == _connected(daemon, "takeover")
@@ -162,12 +170,19 @@ print(os.getpid(), child, flush=True)
 
 
 def test_a_restarted_rank_takes_over_a_connection_that_only_a_forked_child_of_the_dead_one_holds(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     """The rank that opened the connection died, but a forked child (a DataLoader worker) keeps the socket
     open: the daemon still sees a connection. The process behind it (SO_PEERCRED) is gone, so the restarted
     rank is no second claimant: it takes the rank over at once."""
-    crashed = subprocess.run([sys.executable, "-c", ORPHANED_CONNECTION, str(daemon.socket_path)], cwd=REPO,
-                             capture_output=True, text=True, check=True, timeout=60)
+    crashed = subprocess.run(
+        [sys.executable, "-c", ORPHANED_CONNECTION, str(daemon.socket_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     dead_pid, orphan = map(int, crashed.stdout.split())
     try:
         assert [0] == _connected(daemon, "orphaned")
@@ -180,21 +195,34 @@ def test_a_restarted_rank_takes_over_a_connection_that_only_a_forked_child_of_th
 
 
 def test_a_rank_given_up_with_a_goodbye_goes_to_another_process_while_its_connection_lingers(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     """A goodbye gives the rank up (an agent that learnt another rank from torch.distributed, a detach),
     though its connection may outlive it: a forked child holding the socket, a close not read yet. Then
     another process claiming the rank is no second claimant: it takes the rank over, not rank_taken."""
     with _connect(daemon.socket_path, _hello("given-up", 0, os.getpid())) as leaving:
         assert isinstance(read_daemon_frame(leaving), Welcome)
         leaving.sendall(encode(Goodbye("identity")))
-        wait_for(lambda: [(0, True)] == [(r.rank, r.exited) for s in request_status(daemon.socket_path).runs
-                                         if s.run == "given-up" for r in s.ranks])
+        wait_for(
+            lambda: (
+                [(0, True)]
+                == [
+                    (r.rank, r.exited)
+                    for s in request_status(daemon.socket_path).runs
+                    if s.run == "given-up"
+                    for r in s.ranks
+                ]
+            )
+        )
         with _connect(daemon.socket_path, _hello("given-up", 0, pid=4343)) as taker:
             assert isinstance(read_daemon_frame(taker), Welcome)
             assert b"" == leaving.recv(1024)  # closed by the daemon at the takeover
-            assert [(0, 4343, True, False)] == [(r.rank, r.pid, r.connected, r.exited) for s in
-                                                request_status(daemon.socket_path).runs if s.run == "given-up"
-                                                for r in s.ranks]
+            assert [(0, 4343, True, False)] == [
+                (r.rank, r.pid, r.connected, r.exited)
+                for s in request_status(daemon.socket_path).runs
+                if s.run == "given-up"
+                for r in s.ranks
+            ]
     assert {} == rejected_frames(daemon)
 
 
@@ -207,8 +235,11 @@ def test_command_answers_count_only_from_the_rank_they_were_sent_to(daemon: Daem
     read_daemon_frame(other)
     victim.sendall(encode(Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 5.0)], [], [])))
     victim.sendall(encode(Batch(2, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), math.inf)], [], [])))
-    wait_for(lambda: 1.0 == select(daemon.scrape(), "torchpulse_daemon_series_rejected_total").get(
-        (("reason", "bad_value"),)))
+    wait_for(
+        lambda: (
+            1.0 == select(daemon.scrape(), "torchpulse_daemon_series_rejected_total").get((("reason", "bad_value"),))
+        )
+    )
     assert [5.0] == list(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="victim").values())
     for name in ("status", "trace"):
         ctl = Ctl(daemon, CtlRequest("victim", None, name, {}, 10.0))
@@ -243,7 +274,8 @@ def low_fd_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 def test_a_flood_of_agents_stops_below_the_descriptor_limit_and_status_still_answers(
-        low_fd_daemon: DaemonProcess) -> None:
+    low_fd_daemon: DaemonProcess,
+) -> None:
     """300 descriptors: 172 connections at most, 140 of them agents; further hellos are refused with a
     reason, and `torchpulse status` and scrapes keep working."""
     limit = 300 - server_module.FD_RESERVE - server_module.CLIENT_RESERVE
@@ -266,7 +298,8 @@ def test_a_flood_of_agents_stops_below_the_descriptor_limit_and_status_still_ans
 
 
 def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In-process server, real sockets: an agent silent past the idle timeout is disconnected; three
     peers parking half-sent 600 KiB frames never hold more than the budget, and an agent's small
     batches pass meanwhile."""
@@ -276,8 +309,7 @@ def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
 
     async def main() -> None:
         registry = Registry()
-        agents = AgentServer(registry, lambda: StatusReply("x", 0.0, 0, 0, {}, []),
-                             ControlHub(registry, lambda: ""))
+        agents = AgentServer(registry, lambda: StatusReply("x", 0.0, 0, 0, {}, []), ControlHub(registry, lambda: ""))
         await agents.start(path)
         most = 0
 
@@ -318,8 +350,7 @@ def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
     asyncio.run(main())
 
 
-def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_its_run_goes_on(
-        tmp_path: Path) -> None:
+def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_its_run_goes_on(tmp_path: Path) -> None:
     """Goodbye tells a normal exit from a crash: agent_exited 1 and `status` says exited; a SIGKILLed
     rank stays agent_exited 0 (TorchpulseAgentDown's case). After the grace period only the exited
     rank is forgotten: its run still has a connected rank (an elastic job scaled down)."""
@@ -334,11 +365,27 @@ def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_it
 
             def job(rank: int, steps: int) -> subprocess.Popen[bytes]:
                 return subprocess.Popen(
-                    [sys.executable, "-m", "torchpulse", "run", "--run-name", "elastic", "--", sys.executable,
-                     "-m", "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", "0.01"],
-                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    env=daemon.env(RANK=str(rank), WORLD_SIZE="3", OMP_NUM_THREADS="1",
-                                   TORCHPULSE_PROBES="optimizer"))
+                    [
+                        sys.executable,
+                        "-m",
+                        "torchpulse",
+                        "run",
+                        "--run-name",
+                        "elastic",
+                        "--",
+                        sys.executable,
+                        "-m",
+                        "torchpulse.demo_job",
+                        "--steps",
+                        str(steps),
+                        "--step-sleep",
+                        "0.01",
+                    ],
+                    cwd=REPO,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=daemon.env(RANK=str(rank), WORLD_SIZE="3", OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"),
+                )
 
             killed = job(2, 100_000)
             # Rank 2 up first: its start (a torch import) must not eat into rank 1's grace period.
@@ -355,16 +402,24 @@ def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_it
             assert {"0": 0.0, "1": 1.0, "2": 0.0} == of("torchpulse_agent_exited")
             (run,) = [r for r in request_status(daemon.socket_path).runs if r.run == "elastic"]
             assert {1: True, 2: False} == {r.rank: r.exited for r in run.ranks if not r.connected}
-            status = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket",
-                                     str(daemon.socket_path)], cwd=REPO, capture_output=True, text=True,
-                                    timeout=60, env=daemon.env())
-            states = {line.split()[0]: line.split()[1] for line in status.stdout.splitlines()
-                      if line.strip()[:1].isdigit()}
+            status = subprocess.run(
+                [sys.executable, "-m", "torchpulse", "status", "--socket", str(daemon.socket_path)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=daemon.env(),
+            )
+            states = {
+                line.split()[0]: line.split()[1] for line in status.stdout.splitlines() if line.strip()[:1].isdigit()
+            }
             assert ("connected", "exited", "gone") == (states["0"], states["1"], states["2"]), status.stdout
 
             wait_for(lambda: {"0", "2"} == set(of("torchpulse_agent_up")), timeout=30)
-            assert any(e.get("event") == "exited rank forgotten after its grace period; its run goes on"
-                       and e.get("rank") == 1 for e in daemon.log_lines())
+            assert any(
+                e.get("event") == "exited rank forgotten after its grace period; its run goes on" and e.get("rank") == 1
+                for e in daemon.log_lines()
+            )
             assert 0.0 == of("torchpulse_agent_up")["2"], "a rank that vanished without goodbye stays down"
             assert not select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="elastic", rank="1")
     finally:
@@ -426,8 +481,14 @@ def test_a_goodbye_gives_the_rank_up_to_another_live_process_with_the_old_series
     registry.goodbye(leaving)
     _, taker = registry.connect(_hello("bye", 0, pid=200), alive)
     assert taker is run.ranks[0] and taker is not leaving
-    assert (True, False, 200, {}, 0, [100]) == (taker.connected, taker.exited, taker.hello.pid, taker.values,
-                                                run.series, closed)
+    assert (True, False, 200, {}, 0, [100]) == (
+        taker.connected,
+        taker.exited,
+        taker.hello.pid,
+        taker.values,
+        run.series,
+        closed,
+    )
     registry.disconnect(run, leaving, leaving.connection)  # the old connection's close changes nothing
     assert (True, None, 1) == (taker.connected, run.ended_at, registry.connections)
 

@@ -53,8 +53,9 @@ def churn_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     daemon.stop()
 
 
-def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(churn_daemon: DaemonProcess,
-                                                                          tmp_path: Path) -> None:
+def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(
+    churn_daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """1,000 runs of one short rank each (a third crash): after the grace period the exposition, the
     descriptors and `status` are what they were before any of them connected."""
     daemon = churn_daemon
@@ -99,8 +100,7 @@ def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: P
         daemon.stop()
 
 
-def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_saying_how_many(
-        tmp_path: Path) -> None:
+def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_saying_how_many(tmp_path: Path) -> None:
     """16,000 events from one rank: the burst is written, the rest is counted in `suppressed` lines
     (written + suppressed = sent), and another rank's events are still written."""
     daemon = start_daemon(tmp_path)
@@ -113,8 +113,10 @@ def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_sayi
             with _connect(daemon.socket_path, "quiet", 0, 2) as quiet:
                 quiet.sendall(encode(Batch(1, 0.0, [], [], [LogEvent(0.0, "info", "recompile", {})])))
                 wait_for(lambda: any(e.get("event") == "recompile" for e in daemon.log_lines()), timeout=20)
-        wait_for(lambda: any(e.get("event") == "agent disconnected" and e.get("run") == "flood"
-                             for e in daemon.log_lines()), timeout=20)
+        wait_for(
+            lambda: any(e.get("event") == "agent disconnected" and e.get("run") == "flood" for e in daemon.log_lines()),
+            timeout=20,
+        )
         lines = daemon.log_lines()
         written = sum(1 for e in lines if e.get("event") == "autograd.nonfinite_gradients")
         suppressed = [e["suppressed"] for e in lines if e.get("event") == SUPPRESSED and e.get("run") == "flood"]
@@ -125,8 +127,7 @@ def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_sayi
         daemon.stop()
 
 
-def test_a_requested_autograd_log_of_a_large_model_is_written_whole_and_spares_the_other_budget(
-        tmp_path: Path) -> None:
+def test_a_requested_autograd_log_of_a_large_model_is_written_whole_and_spares_the_other_budget(tmp_path: Path) -> None:
     """`ctl autograd-log` of a large model: 30,000 `autograd.node` events (three times the general
     burst) all reach the log, and the rank's other events are still written after them."""
     daemon = start_daemon(tmp_path)
@@ -136,8 +137,9 @@ def test_a_requested_autograd_log_of_a_large_model_is_written_whole_and_spares_t
             for seq in range(nodes // 2000):
                 events = [LogEvent(0.0, "info", NODE_LOG_EVENT, {"seq": n}) for n in range(2000)]
                 agent.sendall(encode(Batch(seq, 0.0, [], [], events)))
-            agent.sendall(encode(Batch(nodes, 0.0, [], [], [LogEvent(0.0, "warning", "after", {"n": n})
-                                                             for n in range(100)])))
+            agent.sendall(
+                encode(Batch(nodes, 0.0, [], [], [LogEvent(0.0, "warning", "after", {"n": n}) for n in range(100)]))
+            )
             wait_for(lambda: sum(1 for e in daemon.log_lines() if e.get("event") == "after") == 100, timeout=30)
         lines = daemon.log_lines()
         assert nodes == sum(1 for e in lines if e.get("event") == NODE_LOG_EVENT)

@@ -25,7 +25,8 @@ def test_default_socket_is_under_run_for_root_and_runtime_dir_otherwise() -> Non
     """Root gets /run/torchpulse, a user gets $XDG_RUNTIME_DIR/torchpulse."""
     assert Path("/run/torchpulse/agent.sock") == default_socket_path({}, uid=0)
     assert Path("/run/user/1000/torchpulse/agent.sock") == default_socket_path(
-        {"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000)
+        {"XDG_RUNTIME_DIR": "/run/user/1000"}, uid=1000
+    )
 
 
 def _listen(path: Path) -> socket.socket:
@@ -47,8 +48,9 @@ def test_a_users_job_finds_the_system_service_unless_the_user_runs_a_daemon(tmp_
         assert system == agent_socket_path(env, uid=1000, system_socket=system)
         with _listen(own):
             assert own == agent_socket_path(env, uid=1000, system_socket=system)
-        assert tmp_path / "set" == agent_socket_path({**env, "TORCHPULSE_SOCKET": str(tmp_path / "set")},
-                                                     uid=1000, system_socket=system)
+        assert tmp_path / "set" == agent_socket_path(
+            {**env, "TORCHPULSE_SOCKET": str(tmp_path / "set")}, uid=1000, system_socket=system
+        )
 
 
 @pytest.mark.parametrize("squat", ["owner", "mode"])
@@ -81,11 +83,15 @@ def test_a_users_own_socket_under_a_directory_another_user_controls_is_not_used(
         ({"runs": {"lost_grace_period_seconds": -1}}, "runs.lost_grace_period_seconds: must be >= 0"),
         ({"damon": {}}, "damon: unknown section"),
         # TOML has nan and inf; nan passes every `<= 0` check unless refused by name.
-        ({"daemon": {"textfile_interval_seconds": float("nan")}},
-         "daemon.textfile_interval_seconds: expected a finite number, got nan"),
+        (
+            {"daemon": {"textfile_interval_seconds": float("nan")}},
+            "daemon.textfile_interval_seconds: expected a finite number, got nan",
+        ),
         ({"runs": {"grace_period_seconds": float("inf")}}, "runs.grace_period_seconds: expected a finite number"),
-        ({"daemon": {"socket": "/" + "s" * 107}}, "daemon.socket: '/s+': the path is 108 bytes long; a Unix socket "
-                                                  "path may have at most 107 bytes"),
+        (
+            {"daemon": {"socket": "/" + "s" * 107}},
+            "daemon.socket: '/s+': the path is 108 bytes long; a Unix socket path may have at most 107 bytes",
+        ),
     ],
 )
 def test_bad_values_name_the_key(data: dict[str, dict[str, object]], message: str) -> None:
@@ -100,7 +106,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     path.write_text('[daemon]\nlisten = "127.0.0.1:1"\nsocket = "/a.sock"\n')
     config = with_overrides(load(path), Overrides(listen="127.0.0.1:2", state_dir=tmp_path))
     assert ("127.0.0.1:2", Path("/a.sock"), tmp_path) == (
-        config.daemon.listen, config.daemon.socket, config.daemon.state_dir)
+        config.daemon.listen,
+        config.daemon.socket,
+        config.daemon.state_dir,
+    )
     assert isinstance(config, Config)
 
 
@@ -108,14 +117,20 @@ def test_bad_config_file_exits_non_zero_with_one_clear_line(tmp_path: Path) -> N
     """`torchpulse daemon --config bad.toml` prints one error naming file and key, exits 2."""
     path = tmp_path / "bad.toml"
     assert (2, [f"torchpulse: invalid configuration: {path}: runs.grace_period_seconds: must be >= 0"]) == (
-        _start_with(path, '[runs]\ngrace_period_seconds = -1\n'))
+        _start_with(path, "[runs]\ngrace_period_seconds = -1\n")
+    )
 
 
 def _start_with(path: Path, config: str) -> tuple[int, list[str]]:
     """`torchpulse daemon --config PATH` with `config` in PATH: exit status and stderr lines."""
     path.write_text(config)
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "daemon", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     return result.returncode, result.stderr.strip().splitlines()
 
 
@@ -132,14 +147,31 @@ def test_a_socket_path_of_107_bytes_is_the_longest_accepted(tmp_path: Path) -> N
 def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tmp_path: Path) -> None:
     """`--socket` past the kernel's limit: one config error line, exit 2, no directory created for it."""
     socket_dir = tmp_path / ("d" * 120)
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(socket_dir / "agent.sock"),
-                             "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--socket",
+            str(socket_dir / "agent.sock"),
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     lines = result.stderr.strip().splitlines()
     assert (2, 1, False) == (result.returncode, len(lines), socket_dir.exists()), result.stderr
-    assert lines[0].startswith(f"torchpulse: invalid configuration: daemon.socket: '{socket_dir}/agent.sock': the path"
-                               f" is {len(str(socket_dir)) + 11} bytes long; a Unix socket path may have at most 107 "
-                               "bytes (108 with the terminating NUL)")
+    assert lines[0].startswith(
+        f"torchpulse: invalid configuration: daemon.socket: '{socket_dir}/agent.sock': the path"
+        f" is {len(str(socket_dir)) + 11} bytes long; a Unix socket path may have at most 107 "
+        "bytes (108 with the terminating NUL)"
+    )
 
 
 def test_a_bad_checkpoints_section_names_the_file_like_the_other_sections(tmp_path: Path) -> None:

@@ -31,15 +31,17 @@ def test_a_finer_layout_maps_each_bucket_into_the_one_that_holds_it() -> None:
     assert (0, 1, 2) == bucket_map((1.0, 2.0), (1.0, 2.0))
 
 
-@pytest.mark.parametrize(("agent", "why"), [
-    ((1.5,), "straddles the daemon's bound 1"),  # (-inf, 1.5] holds counts on both sides of 1
-    ((0.5, 1.0), "straddles the daemon's bound 2"),  # its +Inf bucket starts below our last bound
-    ((2.0, 1.0), "strictly increasing"),
-    ((1.0, math.nan, 2.0), "not finite"),
-    (tuple(float(i) for i in range(MAX_BOUNDS + 1)), f"at most {MAX_BOUNDS}"),
-])
-def test_a_layout_that_cannot_be_summed_exactly_is_refused_with_its_reason(
-        agent: tuple[float, ...], why: str) -> None:
+@pytest.mark.parametrize(
+    ("agent", "why"),
+    [
+        ((1.5,), "straddles the daemon's bound 1"),  # (-inf, 1.5] holds counts on both sides of 1
+        ((0.5, 1.0), "straddles the daemon's bound 2"),  # its +Inf bucket starts below our last bound
+        ((2.0, 1.0), "strictly increasing"),
+        ((1.0, math.nan, 2.0), "not finite"),
+        (tuple(float(i) for i in range(MAX_BOUNDS + 1)), f"at most {MAX_BOUNDS}"),
+    ],
+)
+def test_a_layout_that_cannot_be_summed_exactly_is_refused_with_its_reason(agent: tuple[float, ...], why: str) -> None:
     plan = bucket_map(agent, (1.0, 2.0))
     assert isinstance(plan, Refused) and why in plan.why
 
@@ -70,8 +72,9 @@ def test_an_agent_of_the_previous_compile_buckets_is_refused_and_says_why() -> N
     registry = Registry()
     with capture_logs() as logs:
         run, rank = registry.connect(_hello({COMPILE: BEFORE_3600}), None)
-    registry.apply(run, rank, Batch(1, 0.0, [], [
-        HistogramSample(COMPILE, ("inductor",), (1,) * (len(BEFORE_3600) + 1), 1.0)], []))
+    registry.apply(
+        run, rank, Batch(1, 0.0, [], [HistogramSample(COMPILE, ("inductor",), (1,) * (len(BEFORE_3600) + 1), 1.0)], [])
+    )
     assert ({}, 1) == (rank.histograms, registry.series_rejected["bad_buckets"])
     (warning,) = [e for e in logs if e["log_level"] == "warning"]
     assert "straddles the daemon's bound 1800" in warning["families"][COMPILE]
@@ -82,8 +85,9 @@ def test_a_layout_of_the_same_length_is_refused_not_mislabelled() -> None:
     shifted = tuple(b * 1.5 for b in OURS)
     registry = Registry()
     run, rank = registry.connect(_hello({COMPILE: shifted}), None)
-    registry.apply(run, rank, Batch(1, 0.0, [], [
-        HistogramSample(COMPILE, ("dynamo",), (1,) * (len(OURS) + 1), 1.0)], []))
+    registry.apply(
+        run, rank, Batch(1, 0.0, [], [HistogramSample(COMPILE, ("dynamo",), (1,) * (len(OURS) + 1), 1.0)], [])
+    )
     assert ({}, 1) == (rank.histograms, registry.series_rejected["bad_buckets"])
 
 

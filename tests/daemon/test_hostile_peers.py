@@ -34,15 +34,14 @@ def test_bad_frames_are_rejected_counted_and_answered(daemon: DaemonProcess) -> 
 
 def test_version_mismatch_gets_an_error_reply_not_a_crash(daemon: DaemonProcess) -> None:
     """An agent of another protocol version is told so in plain words."""
-    body = encode(HELLO)[HEADER.size:]
+    body = encode(HELLO)[HEADER.size :]
     reply = _send(daemon, HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 0, len(body)) + body, close_write=False)
     assert b"version_mismatch" in reply and b"upgrade the agent and the daemon together" in reply
 
 
 def test_batches_of_unknown_families_are_refused_but_the_rank_stays(daemon: DaemonProcess) -> None:
     """A series of an unknown family is counted and skipped; the valid series next to it is kept."""
-    batch = Batch(1, 0.0, [Sample("made_up_total", (), 1.0), Sample("optimizer_steps_total", ("SGD#0",), 4.0)],
-                  [], [])
+    batch = Batch(1, 0.0, [Sample("made_up_total", (), 1.0), Sample("optimizer_steps_total", ("SGD#0",), 4.0)], [], [])
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(daemon.socket_path))
         sock.sendall(encode(HELLO) + encode(batch))
@@ -126,9 +125,11 @@ def test_bytes_after_a_ctl_request_get_an_error_reply_not_silence(daemon: Daemon
         wait_for(lambda: [HELLO.run] == [run.run for run in request_status(daemon.socket_path).runs])
         raw = _send(daemon, encode(request) + b"?", close_write=False)
     assert raw, "no reply: the client was taken for one that hung up"
-    reply = msgspec.msgpack.decode(raw[HEADER.size:])
-    assert ("unexpected_type", True) == (reply["code"], "'enable' command for run 'hostile' was dropped"
-                                         in reply["message"])
+    reply = msgspec.msgpack.decode(raw[HEADER.size :])
+    assert ("unexpected_type", True) == (
+        reply["code"],
+        "'enable' command for run 'hostile' was dropped" in reply["message"],
+    )
     # Counted before the reply was sent, but a scrape may be served an earlier render (the exporter reuses one
     # younger than the time it took): the one of the daemon's readiness check.
     wait_for(lambda: "unexpected_type" in rejected_frames(daemon))

@@ -18,11 +18,19 @@ def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Pa
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)])
     try:
         reload_config(daemon, config, "[runs]\nseries_limit_per_run = 7\n")
-        reload_config(daemon, config, "[runs]\nseries_limit_per_run = 'many'\n",
-                     "config reload failed; keeping the running config")
+        reload_config(
+            daemon,
+            config,
+            "[runs]\nseries_limit_per_run = 'many'\n",
+            "config reload failed; keeping the running config",
+        )
         assert daemon.proc.poll() is None
-        assert 1.0 == select(daemon.scrape(), "torchpulse_build_info", version="0.1.0")[
-            (("protocol_version", "1"), ("version", "0.1.0"))]
+        assert (
+            1.0
+            == select(daemon.scrape(), "torchpulse_build_info", version="0.1.0")[
+                (("protocol_version", "1"), ("version", "0.1.0"))
+            ]
+        )
     finally:
         assert 0 == daemon.stop(signal.SIGTERM)
 
@@ -91,8 +99,11 @@ def test_a_reload_applies_the_log_level_and_keeps_command_line_flags(tmp_path: P
         before = len(daemon.log_lines())
         send_raw(daemon.socket_path, encode(StatusRequest()))
         send_raw(daemon.socket_path, b"garbage-garbage-garbage")  # a warning: still logged
-        wait_for(lambda: any(e.get("event") == "rejected a frame and closed the connection"
-                             for e in daemon.log_lines()[before:]))
+        wait_for(
+            lambda: any(
+                e.get("event") == "rejected a frame and closed the connection" for e in daemon.log_lines()[before:]
+            )
+        )
         assert all(e.get("level") != "info" for e in daemon.log_lines()[before:])
         assert daemon.scrape()
     finally:

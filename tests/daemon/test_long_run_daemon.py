@@ -57,7 +57,8 @@ def _status_seconds(daemon: DaemonProcess) -> float:
 
 
 def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_stall_the_loop(
-        busy: DaemonProcess) -> None:
+    busy: DaemonProcess,
+) -> None:
     """100 connections ask for /metrics (10 MB) and never read the answer. Each once held its own copy
     until the write timeout (100 x 10 MB: gigabytes) and each cost a render on the loop (`status` waited
     half a minute). Now the unsent bytes of all connections have a budget (the connection stuck the
@@ -90,8 +91,11 @@ def test_scrapers_that_never_read_hold_a_bounded_amount_of_memory_and_do_not_sta
 
 def _render_mark(body: bytes) -> bytes:
     """The line that differs between two renders: how long the agent series took."""
-    return next(line for line in body.splitlines()
-                if line.startswith(b'torchpulse_scrape_collector_duration_seconds{collector="agent_series"}'))
+    return next(
+        line
+        for line in body.splitlines()
+        if line.startswith(b'torchpulse_scrape_collector_duration_seconds{collector="agent_series"}')
+    )
 
 
 def test_scrapes_that_arrive_together_share_one_render(busy: DaemonProcess) -> None:
@@ -114,4 +118,3 @@ def test_scrapes_that_arrive_together_share_one_render(busy: DaemonProcess) -> N
     renders = {_render_mark(body) for body in bodies}
     assert (20, True) == (len(bodies), len(renders) <= 10), len(renders)
     assert all(body.endswith(b"\n") and b"torchpulse_agent_up" in body for body in bodies)
-

@@ -44,8 +44,22 @@ def _populate(daemon: DaemonProcess, runs: int = RUNS) -> None:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(10)
                 sock.connect(str(daemon.socket_path))
-                sock.sendall(encode(Hello(f"run-{run:04d}", rank, rank, RANKS, 100_000 + rank, HOST, "2.13.0",
-                                          "0.1.0", "train.py", 1.0)))
+                sock.sendall(
+                    encode(
+                        Hello(
+                            f"run-{run:04d}",
+                            rank,
+                            rank,
+                            RANKS,
+                            100_000 + rank,
+                            HOST,
+                            "2.13.0",
+                            "0.1.0",
+                            "train.py",
+                            1.0,
+                        )
+                    )
+                )
                 sock.recv(4096)  # Welcome
     wait_for(lambda: runs == len(request_status(daemon.socket_path).runs), timeout=30)
 
@@ -213,8 +227,13 @@ def test_at_the_connection_limit_a_stuck_status_client_gives_way_to_an_agent(tmp
             time.sleep(1.5)  # past STUCK_STATUS_SECONDS, well inside the write timeout
             _seconds, answer, agent = _hello(daemon, "arrives-late")
             agent.close()
-            status = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket",
-                                     str(daemon.socket_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+            status = subprocess.run(
+                [sys.executable, "-m", "torchpulse", "status", "--socket", str(daemon.socket_path)],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         finally:
             for sock in clients:
                 sock.close()
@@ -224,15 +243,33 @@ def test_at_the_connection_limit_a_stuck_status_client_gives_way_to_an_agent(tmp
         daemon.stop()
 
 
-@pytest.mark.parametrize(("listen", "port"), [("127.0.0.1:99999", "99999"), ("127.0.0.1:65536", "65536"),
-                                              ("127.0.0.1:-1", "-1")])
+@pytest.mark.parametrize(
+    ("listen", "port"), [("127.0.0.1:99999", "99999"), ("127.0.0.1:65536", "65536"), ("127.0.0.1:-1", "-1")]
+)
 def test_a_metrics_port_out_of_range_is_refused_as_such(tmp_path: Path, listen: str, port: str) -> None:
     """`--listen 127.0.0.1:99999` said "expected HOST:PORT": the form is right, the number is not a port."""
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "a.sock"),
-                             "--state-dir", str(tmp_path / "state"), "--listen", listen],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
-    expected = (f"torchpulse: invalid configuration: daemon.listen: port {port} in {listen!r} is out of range: "
-                "a port is 1 to 65535 (0 picks a free one)")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--socket",
+            str(tmp_path / "a.sock"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--listen",
+            listen,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = (
+        f"torchpulse: invalid configuration: daemon.listen: port {port} in {listen!r} is out of range: "
+        "a port is 1 to 65535 (0 picks a free one)"
+    )
     assert (2, [expected]) == (result.returncode, result.stderr.strip().splitlines())
 
 
@@ -240,11 +277,28 @@ def test_a_port_out_of_range_in_the_config_file_is_refused_naming_the_file(tmp_p
     """The same words for `listen =` in the file, which the error names."""
     config = tmp_path / "tp.toml"
     config.write_text('[daemon]\nlisten = "0.0.0.0:65536"\n')
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(config), "--socket",
-                             str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "state")],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
-    expected = (f"torchpulse: invalid configuration: {config}: daemon.listen: port 65536 in '0.0.0.0:65536' is out "
-                "of range: a port is 1 to 65535 (0 picks a free one)")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--config",
+            str(config),
+            "--socket",
+            str(tmp_path / "a.sock"),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = (
+        f"torchpulse: invalid configuration: {config}: daemon.listen: port 65536 in '0.0.0.0:65536' is out "
+        "of range: a port is 1 to 65535 (0 picks a free one)"
+    )
     assert (2, [expected]) == (result.returncode, result.stderr.strip().splitlines())
 
 
@@ -276,31 +330,50 @@ def test_every_ctl_command_prints_one_clean_line_per_rank(tmp_path: Path, capsys
     daemon = start_daemon(tmp_path)
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    job = subprocess.Popen([sys.executable, "-m", "torchpulse", "run", "--run-name", "tiny", "--", sys.executable,
-                            str(script)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env=daemon.env(OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torchpulse", "run", "--run-name", "tiny", "--", sys.executable, str(script)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=daemon.env(OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"),
+    )
     try:
         wait_for(lambda: 1 == sum(select(daemon.scrape(), "torchpulse_agent_up", run="tiny").values()), timeout=60)
 
         def ctl(*args: str) -> str:
-            cli.main(["ctl", *args, "--run", "tiny", "--rank", "0", "--socket", str(daemon.socket_path),
-                      "--timeout", "30"])
+            cli.main(
+                ["ctl", *args, "--run", "tiny", "--rank", "0", "--socket", str(daemon.socket_path), "--timeout", "30"]
+            )
             return capsys.readouterr().out.rstrip("\n")
 
         head = "rank   0  ok            "
-        assert [head + "autograd enabled", head + "autograd was already enabled",
-                head + "timing the nodes of every pass", head + "logging every autograd node of the next 2 passes",
-                ] == [ctl("enable", "autograd"), ctl("enable", "autograd"), ctl("sample", "autograd", "1"),
-                      ctl("autograd-log", "2")]
+        assert [
+            head + "autograd enabled",
+            head + "autograd was already enabled",
+            head + "timing the nodes of every pass",
+            head + "logging every autograd node of the next 2 passes",
+        ] == [
+            ctl("enable", "autograd"),
+            ctl("enable", "autograd"),
+            ctl("sample", "autograd", "1"),
+            ctl("autograd-log", "2"),
+        ]
         wait_for(lambda: "autograd_slowest=" in ctl("status"), timeout=30)
         status = ctl("status")
         fields = dict(word.split("=", 1) for word in shlex.split(status.removeprefix(head)))
         assert (True, ["step", "step_rate", "probes"]) == (status.startswith(head + "step="), list(fields)[:3])
         assert "ms, " in fields["autograd_slowest"]  # five nodes and their times, in one field
-        assert [head + "node timing off", head + "autograd disabled", head + "autograd was already disabled",
-                "rank   0  failed        the cudagraphs probe is not enabled"] == [
-            ctl("sample", "autograd", "0"), ctl("disable", "autograd"), ctl("disable", "autograd"),
-            ctl("cudagraph-dump")]
+        assert [
+            head + "node timing off",
+            head + "autograd disabled",
+            head + "autograd was already disabled",
+            "rank   0  failed        the cudagraphs probe is not enabled",
+        ] == [
+            ctl("sample", "autograd", "0"),
+            ctl("disable", "autograd"),
+            ctl("disable", "autograd"),
+            ctl("cudagraph-dump"),
+        ]
         trace = ctl("trace", "--steps", "1", "--out", str(tmp_path / "tr"))
         assert trace.startswith(head + "trace written  first_step="), trace
     finally:

@@ -33,10 +33,28 @@ def test_socket_activated_daemon_notifies_ready_pings_watchdog_and_survives_rest
     notify.bind(str(notify_path))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), NOTIFY_SOCKET=str(notify_path), WATCHDOG_USEC="400000")
-    cmd = [require_tool("systemd-socket-activate"), "-l", str(agent_sock), "--fdname=agent",
-           "-E", "NOTIFY_SOCKET", "-E", "WATCHDOG_USEC",
-           "-E", "PYTHONPATH", sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "unused.sock"),
-           "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state")]
+    cmd = [
+        require_tool("systemd-socket-activate"),
+        "-l",
+        str(agent_sock),
+        "--fdname=agent",
+        "-E",
+        "NOTIFY_SOCKET",
+        "-E",
+        "WATCHDOG_USEC",
+        "-E",
+        "PYTHONPATH",
+        sys.executable,
+        "-m",
+        "torchpulse",
+        "daemon",
+        "--socket",
+        str(tmp_path / "unused.sock"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        str(tmp_path / "state"),
+    ]
     # systemd-socket-activate waits for the first connection before starting the daemon, like
     # systemd: connecting is what starts it.
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

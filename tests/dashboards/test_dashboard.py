@@ -173,7 +173,9 @@ def test_every_agent_family_is_in_the_contract_with_its_type_and_labels(contract
     a family missing there cannot be used by a dashboard, and a label drift would go unnoticed."""
     from torchpulse.catalog import CATALOG
 
-    expected = {f"torchpulse_{name}": (family.kind, frozenset(("run", "rank", *family.labels)))
-                for name, family in CATALOG.items()}
+    expected = {
+        f"torchpulse_{name}": (family.kind, frozenset(("run", "rank", *family.labels)))
+        for name, family in CATALOG.items()
+    }
     listed = {name: (contract[name].kind, contract[name].labels) for name in expected if name in contract}
     assert expected == listed

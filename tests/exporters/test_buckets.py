@@ -43,7 +43,8 @@ def test_every_histogram_family_has_a_realistic_range_here() -> None:
 
 @pytest.mark.parametrize(("name", "bounds", "span"), _layouts(), ids=[layout[0] for layout in _layouts()])
 def test_realistic_durations_land_in_finite_buckets_of_bounded_width(
-        name: str, bounds: tuple[float, ...], span: tuple[float, float]) -> None:
+    name: str, bounds: tuple[float, ...], span: tuple[float, float]
+) -> None:
     """The whole realistic range lies within the finite buckets, and no bucket is over 3x its lower bound."""
     low, high = span
     too_wide = [(a, b) for a, b in pairwise(bounds) if b / a > MAX_BUCKET_RATIO]

@@ -28,10 +28,20 @@ class Broken:
 def _registry_with_one_rank() -> Registry:
     registry = Registry()
     run, rank = registry.connect(HELLO, None)
-    registry.apply(run, rank, Batch(1, 0.0, [
-        Sample("optimizer_steps_total", ('Ad"am#0',), 5.0),
-        Sample("optimizer_learning_rate", ("Adam#0", "0"), math.inf),
-    ], [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (1,) * 19, 2.5)], []))
+    registry.apply(
+        run,
+        rank,
+        Batch(
+            1,
+            0.0,
+            [
+                Sample("optimizer_steps_total", ('Ad"am#0',), 5.0),
+                Sample("optimizer_learning_rate", ("Adam#0", "0"), math.inf),
+            ],
+            [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (1,) * 19, 2.5)],
+            [],
+        ),
+    )
     return registry
 
 
@@ -40,7 +50,8 @@ def test_a_failing_collector_is_reported_and_the_scrape_survives() -> None:
     exposition = build_exposition(_registry_with_one_rank(), [Broken()])
     samples = parse_exposition(exposition.render().decode())
     assert {"broken": 0.0, "daemon": 1.0, "agents": 1.0, "agent_series": 1.0} == {
-        dict(k)["collector"]: v for k, v in select(samples, "torchpulse_scrape_collector_success").items()}
+        dict(k)["collector"]: v for k, v in select(samples, "torchpulse_scrape_collector_success").items()
+    }
     assert {} == select(samples, "torchpulse_half")
 
 
@@ -51,16 +62,23 @@ def test_agent_series_render_escaped_labels_histograms_and_infinities() -> None:
     assert [5.0] == list(select(samples, "torchpulse_optimizer_steps_total", run=run, optimizer='Ad"am#0').values())
     assert [math.inf] == list(select(samples, "torchpulse_optimizer_learning_rate", rank="3").values())
     buckets = select(samples, "torchpulse_optimizer_step_duration_seconds_bucket", le="+Inf")
-    assert ([19.0], [19.0]) == (list(buckets.values()), list(
-        select(samples, "torchpulse_optimizer_step_duration_seconds_count").values()))
+    assert ([19.0], [19.0]) == (
+        list(buckets.values()),
+        list(select(samples, "torchpulse_optimizer_step_duration_seconds_count").values()),
+    )
 
 
 def test_negative_bucket_counts_are_refused_before_they_count_as_a_series() -> None:
     """Cumulative buckets must not decrease: a histogram with a negative count is refused and counted."""
     registry = Registry()
     run, rank = registry.connect(HELLO, None)
-    registry.apply(run, rank, Batch(1, 0.0, [], [
-        HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (-5,) + (1,) * 18, 2.5)], []))
+    registry.apply(
+        run,
+        rank,
+        Batch(
+            1, 0.0, [], [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (-5,) + (1,) * 18, 2.5)], []
+        ),
+    )
     assert (0, 0, 1) == (run.series, rank.series, registry.series_rejected["bad_buckets"])
 
 
@@ -70,11 +88,15 @@ def test_a_histogram_sum_that_is_nan_inf_or_negative_is_refused_and_the_last_goo
     registry = Registry()
     run, rank = registry.connect(HELLO, None)
     good = (1,) * 19
-    registry.apply(run, rank, Batch(1, 0.0, [], [
-        HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), good, 2.5)], []))
+    registry.apply(
+        run, rank, Batch(1, 0.0, [], [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), good, 2.5)], [])
+    )
     for bad in (math.nan, math.inf, -1.0):
-        registry.apply(run, rank, Batch(2, 0.0, [], [
-            HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (2,) * 19, bad)], []))
+        registry.apply(
+            run,
+            rank,
+            Batch(2, 0.0, [], [HistogramSample("optimizer_step_duration_seconds", ("Adam#0",), (2,) * 19, bad)], []),
+        )
     assert (good, 2.5) == rank.histograms[("optimizer_step_duration_seconds", ("Adam#0",))]
     assert 3 == registry.series_rejected["bad_value"]
 
@@ -85,25 +107,45 @@ def test_a_counter_that_is_nan_inf_or_negative_is_refused_and_the_last_good_tota
     run, rank = registry.connect(HELLO, None)
     registry.apply(run, rank, Batch(1, 0.0, [Sample("optimizer_steps_total", ("Adam#0",), 7.0)], [], []))
     for bad in (math.nan, math.inf, -1.0):
-        registry.apply(run, rank, Batch(2, 0.0, [Sample("optimizer_steps_total", ("Adam#0",), bad),
-                                                 Sample("backward_passes_total", ("backward",), bad)], [], []))
+        registry.apply(
+            run,
+            rank,
+            Batch(
+                2,
+                0.0,
+                [
+                    Sample("optimizer_steps_total", ("Adam#0",), bad),
+                    Sample("backward_passes_total", ("backward",), bad),
+                ],
+                [],
+                [],
+            ),
+        )
     registry.apply(run, rank, Batch(3, 0.0, [Sample("grad_norm", (), math.nan)], [], []))
     assert 7.0 == rank.values[("optimizer_steps_total", ("Adam#0",))]
     assert ("backward_passes_total", ("backward",)) not in rank.values
     assert math.isnan(rank.values[("grad_norm", ())])
     assert (2, 6) == (run.series, registry.series_rejected["bad_value"])
     samples = parse_exposition(build_exposition(registry).render().decode())
-    assert {"bad_value": 6.0} == {dict(k)["reason"]: v for k, v in
-                                  select(samples, "torchpulse_daemon_series_rejected_total").items()
-                                  if dict(k)["reason"] == "bad_value"}
+    assert {"bad_value": 6.0} == {
+        dict(k)["reason"]: v
+        for k, v in select(samples, "torchpulse_daemon_series_rejected_total").items()
+        if dict(k)["reason"] == "bad_value"
+    }
 
 
 def test_status_text_escapes_control_characters_in_agent_names() -> None:
     from torchpulse.daemon.client import format_status
     from torchpulse.protocol import RankStatus, RunStatus, StatusReply
 
-    reply = StatusReply("0.1.0", 1.0, 1, 0, {}, [RunStatus("evil\nrun \x1b[2J", 1, False, [
-        RankStatus(0, 1, "host\rX", True, 0, 0, 0.0)])])
+    reply = StatusReply(
+        "0.1.0",
+        1.0,
+        1,
+        0,
+        {},
+        [RunStatus("evil\nrun \x1b[2J", 1, False, [RankStatus(0, 1, "host\rX", True, 0, 0, 0.0)])],
+    )
     text = format_status(reply)
     assert "run evil\\nrun \\x1b[2J (running" in text and "host\\rX" in text
     assert "\x1b" not in text and "\r" not in text

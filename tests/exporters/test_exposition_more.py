@@ -23,20 +23,30 @@ REFUSED = [
     ('[daemon]\nlisten = "127.0.0.1:\u0660"\n', "daemon.listen: expected HOST:PORT, got '127.0.0.1:\u0660'"),
     ('[daemon]\nlisten = "127.0.0.1:\u00b2"\n', "daemon.listen: expected HOST:PORT, got '127.0.0.1:\u00b2'"),
     # Every interface to a Go exporter, loopback here before: refused as ambiguous.
-    ('[daemon]\nlisten = ":0"\n', "daemon.listen: ':0' names no host; write 127.0.0.1:0 (this machine only) or "
-                                  "0.0.0.0:0 (every interface)"),
-    ('[daemon]\nstate_dir = ""\n', "daemon.state_dir: expected a path, got an empty string (leave the key out for "
-                                   "the default)"),
-    ('[daemon]\nsocket = ""\n', "daemon.socket: expected a path, got an empty string (leave the key out for the "
-                                "default)"),
+    (
+        '[daemon]\nlisten = ":0"\n',
+        "daemon.listen: ':0' names no host; write 127.0.0.1:0 (this machine only) or 0.0.0.0:0 (every interface)",
+    ),
+    (
+        '[daemon]\nstate_dir = ""\n',
+        "daemon.state_dir: expected a path, got an empty string (leave the key out for the default)",
+    ),
+    (
+        '[daemon]\nsocket = ""\n',
+        "daemon.socket: expected a path, got an empty string (leave the key out for the default)",
+    ),
     ('listen = "0.0.0.0:0"\n[daemon]\n', "listen: unknown key outside any table (it belongs under [daemon])"),
-    ('retries = 3\n', "retries: unknown key outside any table (keys go under [daemon], [runs] or [checkpoints])"),
+    ("retries = 3\n", "retries: unknown key outside any table (keys go under [daemon], [runs] or [checkpoints])"),
 ]
 
 
 def _start(tmp: Path, *args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
+    )
 
 
 @pytest.mark.parametrize(("config", "error"), REFUSED)
@@ -51,7 +61,10 @@ def test_a_bad_value_refuses_the_start_with_one_line_naming_the_key(tmp_path: Pa
         proc.kill()
         proc.wait()
     assert (2, [f"torchpulse: invalid configuration: {path}: {error}"], []) == (
-        proc.returncode, out.decode().splitlines(), sorted(p.name for p in tmp_path.iterdir() if p != path))
+        proc.returncode,
+        out.decode().splitlines(),
+        sorted(p.name for p in tmp_path.iterdir() if p != path),
+    )
 
 
 def test_the_ready_line_writes_an_ipv6_listener_as_a_url(tmp_path: Path) -> None:
@@ -62,8 +75,15 @@ def test_the_ready_line_writes_an_ipv6_listener_as_a_url(tmp_path: Path) -> None
             port = probe.getsockname()[1]
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    proc = _start(tmp_path, "--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "state"),
-                  "--listen", f"[::1]:{port}")
+    proc = _start(
+        tmp_path,
+        "--socket",
+        str(tmp_path / "a.sock"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--listen",
+        f"[::1]:{port}",
+    )
     try:
         assert proc.stdout is not None
         ready = json.loads(proc.stdout.readline())
@@ -80,8 +100,10 @@ def test_a_refused_method_is_told_which_ones_are_served(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path)
     try:
         answers = []
-        for request in (b"POST /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-                        b"DELETE /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"):
+        for request in (
+            b"POST /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            b"DELETE /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        ):
             with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
                 conn.sendall(request)
                 reply = b""
@@ -110,8 +132,13 @@ def test_label_text_with_quotes_backslashes_and_control_characters_survives_a_re
             text = daemon.scrape_text()
     finally:
         daemon.stop()
-    promtool = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text.encode(),
-                              capture_output=True, timeout=60, check=False)
+    promtool = subprocess.run(
+        [require_tool("promtool"), "check", "metrics"],
+        input=text.encode(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     samples = parse_exposition(text)
     assert (0, b"", b"") == (promtool.returncode, promtool.stdout, promtool.stderr)
     assert [3.0] == list(select(samples, "torchpulse_optimizer_steps_total", run=weird, optimizer=weird).values())
@@ -126,8 +153,12 @@ def test_a_reload_that_changes_listen_keeps_serving_on_the_running_address_and_s
     path.write_text(base + f'listen = "127.0.0.1:{first}"\n')
     log = tmp_path / "daemon.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json",
-                                 "--config", str(path)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json", "--config", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
     def events() -> list[dict[str, object]]:
         return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]

@@ -14,8 +14,9 @@ REQUEST = b"GET /metrics HTTP/1.1\r\nHost: prometheus\r\nAccept-Encoding: identi
 
 async def _read_response(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
     return await reader.readexactly(length)
 
 
@@ -35,8 +36,11 @@ async def _close_with_a_scraper_connected() -> tuple[list[str], list[str], bytes
     # Like Prometheus between two scrapes: the connection stays open, waiting for the next request.
     async with asyncio.timeout(5):
         await server.close()
-    pending = sorted(task.get_coro().__qualname__ for task in asyncio.all_tasks()  # type: ignore[union-attr]
-                     if task is not asyncio.current_task())
+    pending = sorted(
+        task.get_coro().__qualname__
+        for task in asyncio.all_tasks()  # type: ignore[union-attr]
+        if task is not asyncio.current_task()
+    )
     async with asyncio.timeout(5):
         rest = await reader.read()
     writer.close()

@@ -57,8 +57,7 @@ def test_http_1_0_requests_are_answered_and_closed(daemon: DaemonProcess) -> Non
 
 def test_http_1_0_keep_alive_is_honoured(daemon: DaemonProcess) -> None:
     """HTTP/1.0 with `Connection: keep-alive` stays open for a second request on the same connection."""
-    raw = _exchange(daemon, b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
-                            b"GET /healthz HTTP/1.0\r\n\r\n")
+    raw = _exchange(daemon, b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /healthz HTTP/1.0\r\n\r\n")
     assert 2 == raw.count(b"HTTP/1.1 200 OK")
 
 
@@ -68,14 +67,23 @@ def test_close_among_other_connection_tokens_closes(daemon: DaemonProcess) -> No
     assert ("close", b"ok\n") == (headers["connection"], body)
 
 
-@pytest.mark.parametrize(("accept", "gzipped"), [
-    ("gzip", True), ("GZIP;q=0.5, identity", True), ("x-gzip", True),
-    ("gzip;q=0, identity", False), ("gzip; q=0.000", False), ("identity", False), ("deflate, br", False),
-])
+@pytest.mark.parametrize(
+    ("accept", "gzipped"),
+    [
+        ("gzip", True),
+        ("GZIP;q=0.5, identity", True),
+        ("x-gzip", True),
+        ("gzip;q=0, identity", False),
+        ("gzip; q=0.000", False),
+        ("identity", False),
+        ("deflate, br", False),
+    ],
+)
 def test_gzip_follows_accept_encoding_quality(daemon: DaemonProcess, accept: str, gzipped: bool) -> None:
     """gzip only when the client accepts it with q > 0; the answer says it varies with Accept-Encoding."""
-    headers, body = _split(_exchange(
-        daemon, f"GET /metrics HTTP/1.1\r\nAccept-Encoding: {accept}\r\nConnection: close\r\n\r\n".encode()))
+    headers, body = _split(
+        _exchange(daemon, f"GET /metrics HTTP/1.1\r\nAccept-Encoding: {accept}\r\nConnection: close\r\n\r\n".encode())
+    )
     assert (gzipped, "Accept-Encoding") == (headers.get("content-encoding") == "gzip", headers.get("vary"))
     text = (gzip.decompress(body) if gzipped else body).decode()
     assert [1.0] == list(select(parse_exposition(text), "torchpulse_build_info").values())

@@ -26,8 +26,11 @@ def _everything() -> bytes:
     registry = Registry()
     run, rank = registry.connect(HELLO, None)
     samples = [Sample(name, ("x",) * len(f.labels), 1.0) for name, f in CATALOG.items() if f.kind != "histogram"]
-    histograms = [HistogramSample(name, ("x",) * len(f.labels), (1,) * (len(f.buckets) + 1), 2.5)
-                  for name, f in CATALOG.items() if f.kind == "histogram"]
+    histograms = [
+        HistogramSample(name, ("x",) * len(f.labels), (1,) * (len(f.buckets) + 1), 2.5)
+        for name, f in CATALOG.items()
+        if f.kind == "histogram"
+    ]
     registry.apply(run, rank, Batch(1, 0.0, samples, histograms, []))
     assert len(CATALOG) == rank.series
     stats = CheckpointStats()
@@ -41,8 +44,9 @@ def _everything() -> bytes:
 
 
 def _promtool(text: bytes) -> tuple[int, str, str]:
-    result = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True,
-                            timeout=60, check=False)
+    result = subprocess.run(
+        [require_tool("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=60, check=False
+    )
     return result.returncode, result.stdout.decode(), result.stderr.decode()
 
 

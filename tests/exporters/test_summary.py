@@ -61,9 +61,10 @@ torchpulse_agent_up{run="r",rank="2"} 1.0
 def test_checkpoint_saves_and_failures_are_summarized_per_rank() -> None:
     """Saves that returned and failures by api and error, per rank; a rank that never saved has no row."""
     lines = format_checkpoint_saves(summarize(SAVES)).splitlines()
-    assert [["r", "0", "2", "1", "save", "NotADirectoryError", "x1"],
-            ["r", "1", "0", "3", "async_save", "OSError", "x2,", "save", "NotADirectoryError", "x1"]] == [
-        line.split() for line in lines[2:]]
+    assert [
+        ["r", "0", "2", "1", "save", "NotADirectoryError", "x1"],
+        ["r", "1", "0", "3", "async_save", "OSError", "x2,", "save", "NotADirectoryError", "x1"],
+    ] == [line.split() for line in lines[2:]]
     assert "no checkpoint saves" == format_checkpoint_saves(summarize(BUCKETS_ONLY))
 
 
@@ -92,6 +93,8 @@ torchpulse_autograd_node_calls_total{run="r",rank="2",node="AddmmBackward0"} 7.0
 def test_node_times_show_the_slowest_types_per_rank_in_rank_order() -> None:
     """Ranks in numeric order; the top 3 node types by time (other included), slowest first, with calls."""
     rows = [line.split(None, 3) for line in format_node_times(summarize(NODE_TIMES)).splitlines()[2:]]
-    assert [["r", "2", "1", "AddmmBackward0 1.50 s x7"],
-            ["r", "10", "3", "AddmmBackward0 12.50 ms x21, other 4.00 ms x9, AccumulateGrad 2.00 ms x81"]] == rows
+    assert [
+        ["r", "2", "1", "AddmmBackward0 1.50 s x7"],
+        ["r", "10", "3", "AddmmBackward0 12.50 ms x21, other 4.00 ms x9, AccumulateGrad 2.00 ms x81"],
+    ] == rows
     assert "no sampled passes" == format_node_times(summarize(SAVES))

@@ -42,7 +42,8 @@ def _validated(daemon: DaemonProcess) -> Counter[str]:
 
 
 def test_fifty_checkpoints_at_once_are_each_validated_exactly_once(
-        tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path) -> None:
+    tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path
+) -> None:
     """A burst of 50 commits is validated with bounded concurrency: none lost, none twice."""
     root, config = watched
     daemon = _start(tmp_path, config, root, 'level = "metadata"\nmax_concurrent_validations = 3\n')
@@ -59,7 +60,8 @@ def test_fifty_checkpoints_at_once_are_each_validated_exactly_once(
 
 
 def test_a_checkpoint_deleted_during_validation_is_reported_and_the_daemon_goes_on(
-        tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path) -> None:
+    tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path
+) -> None:
     """Deleting a directory under a running data-level validation (retention does this) discards the
     result with a log line, records nothing, and the next checkpoint validates."""
     root, config = watched
@@ -75,8 +77,12 @@ def test_a_checkpoint_deleted_during_validation_is_reported_and_the_daemon_goes_
             shutil.rmtree(root / "step-1")
         finally:
             os.kill(worker, signal.SIGCONT)
-        wait_for(lambda: any(e.get("event") == "checkpoint deleted during validation; result discarded"
-                             for e in daemon.log_lines()), timeout=60)
+        wait_for(
+            lambda: any(
+                e.get("event") == "checkpoint deleted during validation; result discarded" for e in daemon.log_lines()
+            ),
+            timeout=60,
+        )
         assert {} == _validations(daemon, root)
         commit_copy(saved_checkpoint, root / "step-2")
         wait_for(lambda: 1.0 == _validations(daemon, root).get("valid"), timeout=60)
@@ -90,7 +96,8 @@ def test_a_checkpoint_deleted_during_validation_is_reported_and_the_daemon_goes_
     [("validation_timeout_seconds = 0.2", "time"), ("validation_memory_limit_bytes = 104857600", "memory")],
 )
 def test_a_worker_killed_at_its_limit_is_reported_and_validation_resumes_after_reload(
-        tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path, limit: str, reason: str) -> None:
+    tmp_path: Path, watched: tuple[Path, Path], saved_checkpoint: Path, limit: str, reason: str
+) -> None:
     """A worker past its time or memory limit is killed and reported as `error`; after SIGHUP with
     sane limits the next checkpoint validates, in the same daemon process."""
     root, config = watched

@@ -41,10 +41,27 @@ class SocketHolder:
         env = dict(os.environ, PYTHONPATH=str(REPO), LISTEN_FDS="1", LISTEN_FDNAMES="agent")
         log = (self.tmp / f"daemon-{time.monotonic_ns()}.log").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", EXEC_WITH_LISTEN_PID, str(fd), sys.executable, "-m", "torchpulse", "daemon",
-             "--socket", str(self.tmp / "unused.sock"), "--listen", f"127.0.0.1:{self.port}",
-             "--state-dir", str(self.tmp / "state")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,))
+            [
+                sys.executable,
+                "-c",
+                EXEC_WITH_LISTEN_PID,
+                str(fd),
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "daemon",
+                "--socket",
+                str(self.tmp / "unused.sock"),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--state-dir",
+                str(self.tmp / "state"),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(fd,),
+        )
         return self.proc
 
     def scrape(self) -> str:
@@ -66,12 +83,39 @@ def test_sigkill_under_socket_activation_keeps_the_socket_and_the_counts(tmp_pat
     holder = SocketHolder(tmp_path)
     daemon = holder.start_daemon()
     steps = 60
-    env = dict(os.environ, PYTHONPATH=str(REPO), TORCHPULSE_SOCKET=str(holder.path), OMP_NUM_THREADS="1",
-               TORCHPULSE_PROBES="optimizer")
-    jobs = [subprocess.Popen([sys.executable, "-m", "torchpulse", "run", "--run-name", "sa", "--", sys.executable,
-                              "-m", "torchpulse.demo_job", "--steps", str(steps), "--step-sleep", "0.05"],
-                             cwd=REPO, env=dict(env, RANK=str(r), WORLD_SIZE="2"), text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        TORCHPULSE_SOCKET=str(holder.path),
+        OMP_NUM_THREADS="1",
+        TORCHPULSE_PROBES="optimizer",
+    )
+    jobs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "run",
+                "--run-name",
+                "sa",
+                "--",
+                sys.executable,
+                "-m",
+                "torchpulse.demo_job",
+                "--steps",
+                str(steps),
+                "--step-sleep",
+                "0.05",
+            ],
+            cwd=REPO,
+            env=dict(env, RANK=str(r), WORLD_SIZE="2"),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(2)
+    ]
     try:
         wait_for(lambda: "torchpulse_optimizer_steps_total" in holder.scrape(), timeout=60)
         daemon.send_signal(signal.SIGKILL)
@@ -87,8 +131,9 @@ def test_sigkill_under_socket_activation_keeps_the_socket_and_the_counts(tmp_pat
 
         def final() -> dict[str, float]:
             samples = parse_exposition(holder.scrape())
-            return {dict(k)["rank"]: v for k, v in select(samples, "torchpulse_optimizer_steps_total",
-                                                           run="sa").items()}
+            return {
+                dict(k)["rank"]: v for k, v in select(samples, "torchpulse_optimizer_steps_total", run="sa").items()
+            }
 
         wait_for(lambda: {"0": float(steps), "1": float(steps)} == final(), timeout=30)
     finally:
@@ -103,9 +148,11 @@ def test_sigkill_under_socket_activation_keeps_the_socket_and_the_counts(tmp_pat
 def test_a_peer_killed_mid_frame_is_counted_and_the_daemon_serves_on(daemon: DaemonProcess) -> None:
     """A process that dies after half a frame leaves a `truncated` rejection and nothing else."""
     frame = encode(Hello("half", 0, 0, 1, 1, "h", "2.13", "0.1.0", "x", 0.0))
-    code = ("import socket, os, sys, time\n"
-            "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(sys.argv[1])\n"
-            f"s.sendall({frame[:len(frame) // 2]!r}); print('sent', flush=True); time.sleep(30)\n")
+    code = (
+        "import socket, os, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.connect(sys.argv[1])\n"
+        f"s.sendall({frame[: len(frame) // 2]!r}); print('sent', flush=True); time.sleep(30)\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, str(daemon.socket_path)], stdout=subprocess.PIPE, text=True)
     try:
         # Killed only once the half frame is sent: killed before (a slow start on a loaded machine), the
@@ -117,8 +164,14 @@ def test_a_peer_killed_mid_frame_is_counted_and_the_daemon_serves_on(daemon: Dae
         child.wait(10)
         if child.stdout is not None:
             child.stdout.close()
-    wait_for(lambda: 1.0 == select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total",
-                                   reason="truncated").get((("reason", "truncated"),)))
+    wait_for(
+        lambda: (
+            1.0
+            == select(daemon.scrape(), "torchpulse_daemon_frames_rejected_total", reason="truncated").get(
+                (("reason", "truncated"),)
+            )
+        )
+    )
     assert [] == request_status(daemon.socket_path).runs
 
 
@@ -141,9 +194,11 @@ def test_a_job_stuck_in_a_long_step_stays_up_and_answers_status(daemon: DaemonPr
         "        os.rename(entered + '.tmp', entered)\n"
         "        deadline = time.monotonic() + 120\n"
         "        while not os.path.exists(release) and time.monotonic() < deadline:\n"
-        "            time.sleep(0.05)\n")
-    job = subprocess.Popen([sys.executable, str(script), str(entered), str(release)], cwd=REPO,
-                           env=daemon.env(TORCHPULSE_RUN="stuck"))
+        "            time.sleep(0.05)\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, str(script), str(entered), str(release)], cwd=REPO, env=daemon.env(TORCHPULSE_RUN="stuck")
+    )
     try:
         wait_for(entered.exists, timeout=60)
         began = float(entered.read_text())
@@ -152,9 +207,26 @@ def test_a_job_stuck_in_a_long_step_stays_up_and_answers_status(daemon: DaemonPr
         # within a flush interval (0.25 s), so this is a heartbeat sent while the main thread waits.
         wait_for(lambda: (daemon.last_frame_after("stuck") or 0.0) > began + HEARTBEAT_INTERVAL / 2, timeout=30)
         assert {(("rank", "0"), ("run", "stuck")): 1.0} == select(daemon.scrape(), "torchpulse_agent_up", run="stuck")
-        status = subprocess.run([sys.executable, "-m", "torchpulse", "ctl", "status", "--run", "stuck",
-                                 "--socket", str(daemon.socket_path), "--timeout", "5"],
-                                cwd=REPO, capture_output=True, text=True, timeout=60, env=daemon.env())
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "ctl",
+                "status",
+                "--run",
+                "stuck",
+                "--socket",
+                str(daemon.socket_path),
+                "--timeout",
+                "5",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=daemon.env(),
+        )
         assert 0 == status.returncode, status.stdout
         assert " step=2 " in status.stdout
         release.touch()

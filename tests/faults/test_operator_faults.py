@@ -36,22 +36,35 @@ def _serves(daemon: DaemonProcess) -> bool:
 
 
 @pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
-def test_an_unreadable_config_file_refuses_the_start_with_one_line_and_status_2(
-        tmp_path: Path, content: bytes) -> None:
+def test_an_unreadable_config_file_refuses_the_start_with_one_line_and_status_2(tmp_path: Path, content: bytes) -> None:
     """tomllib raised UnicodeDecodeError and RecursionError past the ConfigError handler: a traceback, status 1."""
     config = tmp_path / "tp.toml"
     config.write_bytes(content)
-    proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--config", str(config),
-                           "--socket", str(tmp_path / "a.sock"), "--state-dir", str(tmp_path / "state")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--config",
+            str(config),
+            "--socket",
+            str(tmp_path / "a.sock"),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = proc.stderr.strip().splitlines()
     assert (2, 1) == (proc.returncode, len(lines)), proc.stderr
     assert lines[0].startswith(f"torchpulse: invalid configuration: {config}: not valid TOML: ")
 
 
 @pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
-def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(
-        tmp_path: Path, content: bytes) -> None:
+def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(tmp_path: Path, content: bytes) -> None:
     """The same files on SIGHUP ended the daemon (the exception left its housekeeping loop); now one error names
     the file, the running config stays, and the next good edit applies."""
     config = tmp_path / "tp.toml"
@@ -83,16 +96,31 @@ def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(tmp_path / "a.sock"),
-                               "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-                               "--config", str(config)],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "daemon",
+                "--socket",
+                str(tmp_path / "a.sock"),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--config",
+                str(config),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     errors = [line for line in proc.stderr.splitlines() if '"level": "error"' in line]
     assert (1, 1) == (proc.returncode, len(errors)), proc.stderr
     assert "daemon failed to start" in errors[0] and "address already in use" in errors[0]
     assert f"cannot serve /metrics on 127.0.0.1:{port} (daemon.listen in the config, or --listen)" in errors[0]
     assert (False, False) == ((tmp_path / "a.sock").exists(), textfile.exists())
-
 
 
 def test_a_start_refused_at_the_agent_socket_removes_a_killed_daemons_textfile(tmp_path: Path) -> None:
@@ -103,9 +131,26 @@ def test_a_start_refused_at_the_agent_socket_removes_a_killed_daemons_textfile(t
     sock.write_text("not a socket")
     config = tmp_path / "tp.toml"
     config.write_text(f'[daemon]\ntextfile = "{textfile}"\n')
-    proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(sock), "--listen",
-                           f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"), "--config", str(config)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--socket",
+            str(sock),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert 1 == proc.returncode and "exists and is not a socket" in proc.stderr, proc.stderr
     assert (False, "not a socket") == (textfile.exists(), sock.read_text())
 
@@ -130,9 +175,11 @@ def test_a_textfile_output_moved_or_switched_off_on_sighup_leaves_no_frozen_file
         assert 0 == daemon.stop()
     assert [] == sorted(p.name for p in tmp_path.glob("*.prom"))
 
+
 @pytest.mark.slow
 def test_a_state_directory_removed_while_running_is_written_again_and_nothing_is_validated_twice(
-        tmp_path: Path, saved_checkpoint: Path) -> None:
+    tmp_path: Path, saved_checkpoint: Path
+) -> None:
     """`rm -r` of the state dir: SQLite went on writing to the unlinked file without a word, so every result was
     lost at the next restart, which validated everything again. Now the file is written again, whole, with one
     warning, and a restart validates only what is new."""
@@ -152,8 +199,11 @@ def test_a_state_directory_removed_while_running_is_written_again_and_nothing_is
         commit_copy(saved_checkpoint, root / "step-2")
         wait_for(lambda: 2 == len(validated(daemon)), timeout=60)
         assert _serves(daemon)
-        [warning] = [line for line in daemon.log_lines() if str(line.get("event")).startswith(
-            "checkpoint state file was removed while the daemon ran")]
+        [warning] = [
+            line
+            for line in daemon.log_lines()
+            if str(line.get("event")).startswith("checkpoint state file was removed while the daemon ran")
+        ]
         assert str(daemon.state_dir / DB_NAME) == warning["path"]
     finally:
         assert 0 == daemon.stop()
@@ -167,7 +217,8 @@ def test_a_state_directory_removed_while_running_is_written_again_and_nothing_is
 
 
 def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_queued(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A validation running when SIGHUP dropped its root brought the root's series back, frozen (an invalid one
     alerted for ever), and its queued checkpoints were validated into root="other"; now the running one is
     recorded but not exported, and the queued ones are not validated."""
@@ -178,8 +229,9 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
         _tiny_checkpoint(dropped / f"step-{step}")
         worker.invalid.add(str(dropped / f"step-{step}"))
     kept.mkdir()
-    config = CheckpointsConfig(roots=(RootConfig(str(dropped), "inotify"), RootConfig(str(kept), "inotify")),
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(dropped), "inotify"), RootConfig(str(kept), "inotify")), debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         await _until(lambda: 1 == len(worker.calls))
@@ -211,8 +263,13 @@ def test_an_agent_socket_removed_while_running_is_bound_again(tmp_path: Path) ->
             assert before.recv(65536)
         [event] = _events(daemon, "agent socket removed while running; bound again")
         assert "warning" == event["level"]
-        status = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket", str(socket_path)],
-                                cwd=REPO, capture_output=True, text=True, timeout=60)
+        status = subprocess.run(
+            [sys.executable, "-m", "torchpulse", "status", "--socket", str(socket_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert 0 == status.returncode, status.stderr
         assert "torchpulse daemon" in status.stdout
         assert (None, True) == (daemon.proc.poll(), _serves(daemon))

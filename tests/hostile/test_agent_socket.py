@@ -11,7 +11,7 @@ def _send_body(daemon: DaemonProcess, body: bytes) -> bytes:
 
 
 def _hello(run: str, host: str = "h") -> bytes:
-    return encode(Hello(run, 0, 0, 1, 1, host, "2.13.0", "0.1.0", "cmd", 0.0))[HEADER.size:]
+    return encode(Hello(run, 0, 0, 1, 1, host, "2.13.0", "0.1.0", "cmd", 0.0))[HEADER.size :]
 
 
 def test_invalid_utf8_in_a_hello_is_a_counted_decode_error(daemon: DaemonProcess) -> None:
@@ -29,5 +29,7 @@ def test_megabyte_run_and_host_names_are_refused(daemon: DaemonProcess) -> None:
     wait_for(lambda: 2.0 == sum(rejected_frames(daemon).values()))
     samples = daemon.scrape()
     assert ([True, True], {"invalid_frame": 2.0}, {}) == (
-        [b"longer than 200 characters" in r for r in replies], rejected_frames(daemon),
-        select(samples, "torchpulse_agent_up"))
+        [b"longer than 200 characters" in r for r in replies],
+        rejected_frames(daemon),
+        select(samples, "torchpulse_agent_up"),
+    )

@@ -65,8 +65,14 @@ def test_unbounded_function_names_stop_at_the_run_budget(small_budget_daemon: Da
         "folded into other": float(sum(1 for key in recompiles if dict(key)["function"] == OTHER)),
         "good run refusals": _one(select(samples, "torchpulse_run_series_rejected", run="good")),
     }
-    assert {"series held": 50.0, "exposed": 50.0, "run refusals": 950.0, "daemon refusals": 950.0,
-            "folded into other": 0.0, "good run refusals": 0.0} == figures
+    assert {
+        "series held": 50.0,
+        "exposed": 50.0,
+        "run refusals": 950.0,
+        "daemon refusals": 950.0,
+        "folded into other": 0.0,
+        "good run refusals": 0.0,
+    } == figures
 
 
 def test_overlong_label_values_are_refused_per_series(small_budget_daemon: DaemonProcess) -> None:
@@ -79,7 +85,8 @@ def test_overlong_label_values_are_refused_per_series(small_budget_daemon: Daemo
     agent.close()
     assert ({(("rank", "0"), ("reason", "ok"), ("run", "long-labels")): 2.0}, 1.0) == (
         select(samples, "torchpulse_cudagraph_skips_total", run="long-labels"),
-        _one(select(samples, "torchpulse_daemon_series_rejected_total", reason="label_too_long")))
+        _one(select(samples, "torchpulse_daemon_series_rejected_total", reason="label_too_long")),
+    )
 
 
 def test_agent_folds_unbounded_graph_break_locations_into_other() -> None:
@@ -95,8 +102,9 @@ def test_agent_folds_unbounded_graph_break_locations_into_other() -> None:
             exec(compile(source, f"/generated/hostile_{i}.py", "exec"), namespace)
             torch.compile(namespace["f"], backend="eager")(torch.randn(2))
         agent.drain()
-        breaks = {labels: value for (name, labels), value in agent.store._values.items()
-                  if name == "graph_breaks_total"}
+        breaks = {
+            labels: value for (name, labels), value in agent.store._values.items() if name == "graph_breaks_total"
+        }
     finally:
         agent.shutdown()
         torch._dynamo.reset()

@@ -74,8 +74,10 @@ def test_a_validator_crash_is_exit_2_and_one_line(saved_checkpoint: Path, tmp_pa
     """Metadata that segfaults CPython 3.11 (hashing a 300 000-deep tuple key) reads "cannot tell", not exit 139."""
     ckpt = _with_deep_tuple_key(saved_checkpoint, tmp_path)
     proc = _check(ckpt, "--format", "json")
-    expected = (f"torchpulse check: the validator crashed (SIGSEGV) while reading {ckpt}; "
-                "the checkpoint is probably hostile or corrupt\n")
+    expected = (
+        f"torchpulse check: the validator crashed (SIGSEGV) while reading {ckpt}; "
+        "the checkpoint is probably hostile or corrupt\n"
+    )
     assert (2, "", expected) == (proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -84,8 +86,10 @@ def test_a_pristine_checkpoint_prints_as_before(saved_checkpoint: Path) -> None:
     as_json, text = _check(saved_checkpoint, "--format", "json"), _check(saved_checkpoint)
     printed = json.loads(as_json.stdout)
     stats = printed["stats"]
-    summary = (rf"VALID: {re.escape(str(saved_checkpoint))} \(level data; no findings; "
-               rf"{stats['tensors']} tensors, {stats['bytes']} bytes, \d+\.\d\d s\)\n")
+    summary = (
+        rf"VALID: {re.escape(str(saved_checkpoint))} \(level data; no findings; "
+        rf"{stats['tensors']} tensors, {stats['bytes']} bytes, \d+\.\d\d s\)\n"
+    )
     assert (0, 0, "", "") == (as_json.returncode, text.returncode, as_json.stderr, text.stderr)
     in_process = validate(str(saved_checkpoint), Level.DATA).to_json()
     assert (json.dumps(printed, indent=2) + "\n", _timeless(in_process)) == (as_json.stdout, _timeless(printed))
@@ -94,22 +98,33 @@ def test_a_pristine_checkpoint_prints_as_before(saved_checkpoint: Path) -> None:
 
 def test_a_validator_killed_by_the_oom_killer_is_exit_2(saved_checkpoint: Path) -> None:
     """SIGKILL, as the out-of-memory killer sends it, to the validator alone: exit 2 and a message saying so."""
-    cli = subprocess.Popen(_command(saved_checkpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           cwd=REPO, env=_env())
+    cli = subprocess.Popen(
+        _command(saved_checkpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env()
+    )
     try:
         os.kill(child_of(cli.pid), signal.SIGKILL)
         out, err = cli.communicate(timeout=60)
     finally:
         cli.kill()
         cli.wait()
-    assert (2, "", True, 1) == (cli.returncode, out, "the validator was killed (SIGKILL" in err,
-                                len(err.splitlines())), err
+    assert (2, "", True, 1) == (
+        cli.returncode,
+        out,
+        "the validator was killed (SIGKILL" in err,
+        len(err.splitlines()),
+    ), err
 
 
 def test_ctrl_c_in_the_cli_leaves_no_validator_running(saved_checkpoint: Path) -> None:
     """SIGINT to the CLI alone (the validator ignores it): the CLI kills its validator before it exits."""
-    cli = subprocess.Popen(_command(saved_checkpoint), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           cwd=REPO, env=_env(), preexec_fn=sigint_as_at_a_terminal)
+    cli = subprocess.Popen(
+        _command(saved_checkpoint),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=_env(),
+        preexec_fn=sigint_as_at_a_terminal,
+    )
     try:
         validator = child_of(cli.pid)
         cli.send_signal(signal.SIGINT)

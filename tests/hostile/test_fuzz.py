@@ -26,9 +26,19 @@ NOISE = "SystemError: deallocated bytearray object has exported buffers"
 def test_harness_runs_clean_for_a_short_time(harness: str, tmp_path: os.PathLike[str]) -> None:
     """The harness runs its time budget with no crash, hang, leak or out-of-memory, and does real work."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "fuzz" / f"{harness}.py"), f"-seed={SEED}", f"-runs={RUNS[harness]}",
-         "-timeout=10", "-rss_limit_mb=3072", f"-artifact_prefix={tmp_path}/"],
-        capture_output=True, text=True, timeout=180, cwd=REPO,
+        [
+            sys.executable,
+            str(REPO / "fuzz" / f"{harness}.py"),
+            f"-seed={SEED}",
+            f"-runs={RUNS[harness]}",
+            "-timeout=10",
+            "-rss_limit_mb=3072",
+            f"-artifact_prefix={tmp_path}/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
     )
     done = re.search(r"Done (\d+) runs", proc.stderr)
     tail = "\n".join(line for line in proc.stderr.splitlines() if NOISE not in line)[-3000:]

@@ -84,8 +84,13 @@ def _findings(result: ValidationResult, key: str) -> list[tuple[str, str]]:
 def _cli(path: Path, timeout: float = 60) -> tuple[int, dict[str, object], str]:
     """`torchpulse check PATH --format json` in a child: a crash or a hang fails the test, not the run."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "torchpulse", "check", str(path), "--format", "json"],
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchpulse", "check", str(path), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchpulse check hung on {path}")
     result = json.loads(proc.stdout) if proc.stdout.strip() else {}
@@ -122,8 +127,9 @@ RECORDS = {
     "storage_type_called": b"\x80\x02ctorch\nFloatStorage\n)R.",
     "dtype_called": b"\x80\x02ctorch\nfloat32\n)R.",
     # Shape and dtype match the metadata; the values would lie past the storage (torch.load fails on both).
-    "storage_offset_2_to_the_64": _rebuild(b"\x8a\x09" + (1 << 64).to_bytes(9, "little")
-                                           + b"K\x08K\x04\x86K\x04K\x01\x86" + _HOOKS),
+    "storage_offset_2_to_the_64": _rebuild(
+        b"\x8a\x09" + (1 << 64).to_bytes(9, "little") + b"K\x08K\x04\x86K\x04K\x01\x86" + _HOOKS
+    ),
     "view_past_its_storage": _rebuild(b"K\x00K\x08K\x04\x86K\x08K\x01\x86" + _HOOKS),
     "stride_of_another_rank": _rebuild(b"K\x00K\x08K\x04\x86K\x04\x85" + _HOOKS),
     "storage_key_is_a_list": _rebuild(b"K\x00K\x08K\x04\x86K\x04K\x01\x86" + _HOOKS).replace(_s("0"), b"]"),
@@ -137,8 +143,9 @@ RECORDS = {
 @pytest.mark.parametrize("case", sorted(RECORDS))
 def test_a_malformed_tensor_record_is_an_unreadable_item(saved_checkpoint: Path, tmp_path: Path, case: str) -> None:
     """Allowed globals given the wrong arguments, impossible BUILDs, a terabyte length: one finding, no traceback."""
-    ckpt = _with_item(saved_checkpoint, tmp_path, W, _zip([("archive/data.pkl", RECORDS[case]),
-                                                            ("archive/data/0", bytes(128))]))
+    ckpt = _with_item(
+        saved_checkpoint, tmp_path, W, _zip([("archive/data.pkl", RECORDS[case]), ("archive/data/0", bytes(128))])
+    )
     result = validate(ckpt, Level.DATA)
     assert (Status.INVALID, ["TP-CKPT-024"]) == (result.status, [r for r, _ in _findings(result, W)])
 
@@ -153,7 +160,8 @@ def test_a_malformed_bytes_item_is_an_unreadable_item(saved_checkpoint: Path, tm
 
 @pytest.mark.parametrize("key", [W, LR])
 def test_a_memo_index_far_past_the_pickle_is_refused_before_allocating(
-        saved_checkpoint: Path, tmp_path: Path, key: str) -> None:
+    saved_checkpoint: Path, tmp_path: Path, key: str
+) -> None:
     """Nine bytes that make the C unpickler zero a 1 GiB memo (and then unpickle None) are a finding."""
     pickled = b"\x80\x02Nr" + struct.pack("<I", 1 << 26) + b"."
     ckpt = _with_item(saved_checkpoint, tmp_path, key, _zip([("archive/data.pkl", pickled)]))
@@ -193,11 +201,13 @@ CRASH_OR_HANG = [
 
 @pytest.mark.parametrize(("key", "case", "pickled"), CRASH_OR_HANG, ids=[f"{c}-{k}" for k, c, _ in CRASH_OR_HANG])
 def test_pickles_that_crash_or_hang_the_unpickler_are_refused(
-        saved_checkpoint: Path, tmp_path: Path, key: str, case: str, pickled: bytes) -> None:
+    saved_checkpoint: Path, tmp_path: Path, key: str, case: str, pickled: bytes
+) -> None:
     """A 300 000-deep tuple key (a segfault in 3.11), a 370-byte key that takes 2**60 steps to hash, a storage
     key whose str() is 2**60 long: each is a finding (the CLI runs in a child under a timeout)."""
-    ckpt = _with_item(saved_checkpoint, tmp_path, key, _zip([("archive/data.pkl", pickled),
-                                                              ("archive/data/0", bytes(128))]))
+    ckpt = _with_item(
+        saved_checkpoint, tmp_path, key, _zip([("archive/data.pkl", pickled), ("archive/data/0", bytes(128))])
+    )
     code, result, stderr = _cli(ckpt)
     assert (1, "invalid", ["TP-CKPT-024"]) == (code, result.get("status"), _cli_rules(result, key)), stderr[-2000:]
 
@@ -208,8 +218,14 @@ def test_an_item_cannot_change_how_later_items_are_read(saved_checkpoint: Path, 
     Then a bias stored as float16 against float32 metadata (TP-CKPT-019) would pass unnoticed.
     """
     slot_state = b"(N}" + _s("dtype") + _s("float32") + b"st"
-    ckpt = _with_item(saved_checkpoint, tmp_path, "model.0.bias", _zip([
-        ("archive/data.pkl", b"\x80\x02ctorch\nHalfStorage\n" + slot_state + b"b."), ("archive/data/0", bytes(32))]))
+    ckpt = _with_item(
+        saved_checkpoint,
+        tmp_path,
+        "model.0.bias",
+        _zip(
+            [("archive/data.pkl", b"\x80\x02ctorch\nHalfStorage\n" + slot_state + b"b."), ("archive/data/0", bytes(32))]
+        ),
+    )
     md = load_md(ckpt)
     _, info = entry(md, "model.0.bias")
     half = _saved(torch.zeros(5, dtype=torch.float16))
@@ -220,7 +236,9 @@ def test_an_item_cannot_change_how_later_items_are_read(saved_checkpoint: Path, 
     save_md(ckpt, md)
     result = validate(ckpt, Level.DATA)
     assert (["TP-CKPT-024"], ["TP-CKPT-019"]) == (
-        [r for r, _ in _findings(result, "model.0.bias")], [r for r, _ in _findings(result, "model.2.bias")])
+        [r for r, _ in _findings(result, "model.0.bias")],
+        [r for r, _ in _findings(result, "model.2.bias")],
+    )
 
 
 # -- the zip around the item ----------------------------------------------------------------------------
@@ -246,7 +264,7 @@ def _add_zip64_extra(raw: bytes, field: int, extra: bytes) -> bytes:
     struct.pack_into("<I", out, at + field, 0xFFFFFFFF)
     struct.pack_into("<H", out, at + 30, elen + len(extra))
     struct.pack_into("<I", out, end + 12, struct.unpack_from("<I", out, end + 12)[0] + len(extra))
-    out[at + 46 + nlen:at + 46 + nlen] = extra
+    out[at + 46 + nlen : at + 46 + nlen] = extra
     return bytes(out)
 
 
@@ -267,7 +285,8 @@ ZIPS = {
     # A zip64 extra field too short for the fields the entry defers to it.
     "zip64_extra_too_short": lambda raw: _add_zip64_extra(_add_zip64_extra(raw, 24, b""), 20, b"\x01\x00\x00\x00"),
     "zip64_local_offset_2_to_the_64": lambda raw: _add_zip64_extra(
-        raw, 42, b"\x01\x00\x08\x00" + struct.pack("<Q", (1 << 64) - 1)),
+        raw, 42, b"\x01\x00\x08\x00" + struct.pack("<Q", (1 << 64) - 1)
+    ),
     "zip64_end_record_at_2_to_the_64": lambda raw: _zip64_locator_to(raw, (1 << 64) - 1),
     "duplicated_member_name": _duplicated,
 }
@@ -368,7 +387,8 @@ def _listed(saved: Path, tmp_path: Path) -> tuple[Path, Checkpoint]:
 
 
 def test_a_data_file_swapped_for_a_fifo_after_the_listing_does_not_block(
-        saved_checkpoint: Path, tmp_path: Path) -> None:
+    saved_checkpoint: Path, tmp_path: Path
+) -> None:
     """Opening a FIFO without a writer blocks forever; it is reported as not a regular file instead."""
     ckpt, listed = _listed(saved_checkpoint, tmp_path)
     (ckpt / DATA).unlink()
@@ -387,7 +407,8 @@ def test_a_data_file_swapped_for_a_fifo_after_the_listing_does_not_block(
 
 @pytest.mark.parametrize("change", ["deleted", "rewritten"])
 def test_a_data_file_that_changes_after_the_listing_is_cannot_tell(
-        saved_checkpoint: Path, tmp_path: Path, change: str) -> None:
+    saved_checkpoint: Path, tmp_path: Path, change: str
+) -> None:
     """Deleted or rewritten between the listing and the read: the validator cannot tell, it does not say invalid."""
     ckpt, listed = _listed(saved_checkpoint, tmp_path)
     if change == "deleted":
@@ -420,8 +441,11 @@ def test_a_data_file_the_validator_may_not_read_is_cannot_tell(saved_checkpoint:
     ckpt = _copy(saved_checkpoint, tmp_path)
     (ckpt / DATA).chmod(0)
     argv = [str(ckpt), "--format", "json"]
-    command = [sys.executable, "-c", _WITHOUT_DAC_OVERRIDE, *argv] if os.geteuid() == 0 else \
-        [sys.executable, "-m", "torchpulse", "check", *argv]
+    command = (
+        [sys.executable, "-c", _WITHOUT_DAC_OVERRIDE, *argv]
+        if os.geteuid() == 0
+        else [sys.executable, "-m", "torchpulse", "check", *argv]
+    )
     proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     if proc.returncode == 99:
         pytest.skip("cannot drop capabilities here")

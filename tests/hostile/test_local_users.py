@@ -83,6 +83,7 @@ def _events(daemon: DaemonProcess, event: str) -> list[dict[str, object]]:
 
 # -- runs -----------------------------------------------------------------------------------------
 
+
 @needs_root
 def test_another_user_cannot_add_or_take_over_ranks_of_a_run(shared: Path) -> None:
     """uid 65534 says hello as a new rank of root's run, and as its rank once that rank left: both refused."""
@@ -99,12 +100,14 @@ def test_another_user_cannot_add_or_take_over_ranks_of_a_run(shared: Path) -> No
         runs = {run.run: [rank.rank for rank in run.ranks] for run in request_status(daemon.socket_path).runs}
         assert ([True, True], {"shared-run": [0]}) == (
             [b"run_owned" in reply and b"another user (uid 0)" in reply for reply in (as_new_rank, as_left_rank)],
-            runs)
+            runs,
+        )
     finally:
         daemon.stop()
 
 
 # -- who may send commands ----------------------------------------------------------------------
+
 
 def _a_group() -> grp.struct_group:
     """An existing group other than root's and nobody's, to name as control_group."""
@@ -141,8 +144,14 @@ def _job_as(uid: int, socket_path: Path, run: str) -> int:
     """A training loop with the agent attached, run as `uid` in a forked child until killed: its pid."""
     # Imported, and the model built (an optimizer imports Dynamo), before the fork: the child, as
     # another user, cannot read root's Python installation.
-    for module in ("torch.profiler", "torchpulse.probes.api", "torchpulse.probes.agent", "torchpulse.probes.control",
-                   "torchpulse.probes.optimizer", "torchpulse.probes.transport"):
+    for module in (
+        "torch.profiler",
+        "torchpulse.probes.api",
+        "torchpulse.probes.agent",
+        "torchpulse.probes.control",
+        "torchpulse.probes.optimizer",
+        "torchpulse.probes.transport",
+    ):
         importlib.import_module(module)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -169,6 +178,7 @@ def _job_as(uid: int, socket_path: Path, run: str) -> int:
 
 def _ctl_as(uid: int, *argv: str) -> tuple[int, str, str]:
     """`torchpulse ctl ARGV` run as `uid` (in a forked child: the venv is root's): status, stdout, stderr."""
+
     def ctl() -> tuple[int, bytes]:
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -191,14 +201,26 @@ def test_a_jobs_user_controls_their_own_run_and_no_one_elses(shared: Path) -> No
     job = _job_as(OTHER_UID, daemon.socket_path, "nobody-job")
     socket_arg = ("--socket", str(daemon.socket_path))
     try:
+
         def connected() -> bool:
             assert (0, 0) == os.waitpid(job, os.WNOHANG), "the job died"
             return any(run.run == "nobody-job" and run.ranks for run in request_status(daemon.socket_path).runs)
 
         wait_for(connected, timeout=60)
         status = _ctl_as(OTHER_UID, "status", "--run", "nobody-job", *socket_arg)
-        trace = _ctl_as(OTHER_UID, "trace", "--run", "nobody-job", "--steps", "2", "--out", str(traces),
-                        "--timeout", "60", *socket_arg)
+        trace = _ctl_as(
+            OTHER_UID,
+            "trace",
+            "--run",
+            "nobody-job",
+            "--steps",
+            "2",
+            "--out",
+            str(traces),
+            "--timeout",
+            "60",
+            *socket_arg,
+        )
         on_theirs = _ctl_as(OTHER_UID - 1, "status", "--run", "nobody-job", *socket_arg)
         on_none = _ctl_as(OTHER_UID - 1, "status", "--run", "no-such-run", *socket_arg)
     finally:
@@ -207,8 +229,10 @@ def test_a_jobs_user_controls_their_own_run_and_no_one_elses(shared: Path) -> No
         daemon.stop()
     assert (0, True) == (status[0], status[1].startswith("rank   0  ok")), status
     assert (0, True, 1) == (trace[0], "trace written" in trace[1], len(list(traces.iterdir()))), trace
-    refusal = ("torchpulse: refused: uid 65533 may not send commands to this run (allowed: root, the daemon's user "
-               "or the user whose job reports the run)\n")
+    refusal = (
+        "torchpulse: refused: uid 65533 may not send commands to this run (allowed: root, the daemon's user "
+        "or the user whose job reports the run)\n"
+    )
     assert [(1, "", refusal)] * 2 == [on_theirs, on_none]
 
 
@@ -257,6 +281,7 @@ def test_the_agent_learns_who_asks_for_a_trace_whatever_the_client_claims() -> N
 
 # -- where another user's trace may go ------------------------------------------------------------
 
+
 def _traced_job() -> tuple[Agent, torch.nn.Module, torch.optim.Optimizer]:
     agent = local_agent(("optimizer",))
     assert isinstance(agent, Agent)
@@ -268,8 +293,9 @@ def _trace(out: Path, caller: int, before_steps: Callable[[], None] = lambda: No
     """One 2-step trace asked by uid `caller` of a job run by this test's user; its answer."""
     agent, model, optimizer = _traced_job()
     try:
-        agent.control.receive(Command(1, "trace", {"steps": 2, "start_step": 2, "out": str(out),
-                                                   CALLER_UID_ARG: caller}))
+        agent.control.receive(
+            Command(1, "trace", {"steps": 2, "start_step": 2, "out": str(out), CALLER_UID_ARG: caller})
+        )
         before_steps()
         for _ in range(4):
             optimizer.zero_grad()
@@ -323,16 +349,27 @@ def test_swapping_the_senders_directory_for_a_symlink_does_not_move_the_write(tm
         out.symlink_to(victim)
 
     answer = _trace(out, OTHER_UID, before_steps=swap)
-    assert ((True, "trace written"), [], 1) == ((answer.ok, answer.message), list(victim.iterdir()),
-                                               len(list(moved.iterdir())))
+    assert ((True, "trace written"), [], 1) == (
+        (answer.ok, answer.message),
+        list(victim.iterdir()),
+        len(list(moved.iterdir())),
+    )
 
 
 # -- checkpoint announcements ---------------------------------------------------------------------
 
+
 def _announce(daemon: DaemonProcess, run: str, *paths: str) -> bytes:
     """Connect as an agent, announce `paths` as rank 0's checkpoint saves, say goodbye."""
-    events = [LogEvent(time.time(), "info", CHECKPOINT_SAVED_EVENT,
-                       {"path": path, "api": "save", "duration_seconds": 1.0, "validate": True}) for path in paths]
+    events = [
+        LogEvent(
+            time.time(),
+            "info",
+            CHECKPOINT_SAVED_EVENT,
+            {"path": path, "api": "save", "duration_seconds": 1.0, "validate": True},
+        )
+        for path in paths
+    ]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(str(daemon.socket_path))
@@ -343,8 +380,9 @@ def _announce(daemon: DaemonProcess, run: str, *paths: str) -> bytes:
 
 
 @needs_root
-def test_another_users_checkpoint_is_not_validated_nor_its_directory_watched(shared: Path,
-                                                                            saved_checkpoint: Path) -> None:
+def test_another_users_checkpoint_is_not_validated_nor_its_directory_watched(
+    shared: Path, saved_checkpoint: Path
+) -> None:
     """uid 65534 announces a checkpoint of root's (readable to the daemon, the job's project group say): refused,
     so the metrics say nothing of it; its own checkpoint, in a directory of its own, is validated."""
     theirs, own = shared / "root-project" / "step-1", shared / "nobody" / "step-1"
@@ -367,8 +405,9 @@ def test_another_users_checkpoint_is_not_validated_nor_its_directory_watched(sha
 
 
 @needs_root
-def test_a_checkpoint_of_the_jobs_own_in_a_teams_shared_directory_is_validated(shared: Path,
-                                                                                saved_checkpoint: Path) -> None:
+def test_a_checkpoint_of_the_jobs_own_in_a_teams_shared_directory_is_validated(
+    shared: Path, saved_checkpoint: Path
+) -> None:
     """The usual team layout: a group-writable setgid project directory of someone else's, in which each member's
     job writes its own checkpoints. The checkpoint is the job's user's: validated, its directory watched."""
     team = shared / "team-ckpts"
@@ -382,8 +421,10 @@ def test_a_checkpoint_of_the_jobs_own_in_a_teams_shared_directory_is_validated(s
     try:
         _as_user(lambda: _announce(daemon, "team-run", str(own)))
         wait_for(lambda: bool(_events(daemon, "checkpoint validated")), timeout=60)
-        assert ([], [str(own)]) == (_events(daemon, "checkpoint announcement refused"),
-                                    [line["path"] for line in _events(daemon, "checkpoint validated")])
+        assert ([], [str(own)]) == (
+            _events(daemon, "checkpoint announcement refused"),
+            [line["path"] for line in _events(daemon, "checkpoint validated")],
+        )
     finally:
         daemon.stop()
 
@@ -401,11 +442,29 @@ def test_a_checkpoint_announced_under_proc_never_makes_proc_a_watched_root(daemo
 
 # -- the daemon's own socket ------------------------------------------------------------------------
 
+
 def _start_failure(socket_dir: Path, tmp_path: Path) -> tuple[int, str]:
     """Exit status and log of a daemon asked to bind its agent socket in `socket_dir`."""
-    proc = subprocess.run([sys.executable, "-m", "torchpulse", "daemon", "--socket", str(socket_dir / "agent.sock"),
-                           "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "state"),
-                           "--log-format", "json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "daemon",
+            "--socket",
+            str(socket_dir / "agent.sock"),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--log-format",
+            "json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -439,8 +498,10 @@ def test_a_sticky_shared_directory_takes_the_socket(tmp_path: Path) -> None:
 
 # -- the textfile in a shared directory ---------------------------------------------------------------
 
-def test_a_temporary_textfile_swapped_for_a_symlink_changes_no_other_files_mode(tmp_path: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_temporary_textfile_swapped_for_a_symlink_changes_no_other_files_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a directory others may write to, the temporary file is replaced by a symlink to a private file right
     after it is made: the daemon's mode change goes to its own file, never through the link."""
     victim = tmp_path / "private"

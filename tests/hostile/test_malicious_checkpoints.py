@@ -32,8 +32,20 @@ LOADERS = {"metadata": load_metadata, "tensor": load_tensor_record, "plain": loa
 TABLES = {"metadata": unpickler._METADATA_GLOBALS, "tensor": unpickler._TENSOR_GLOBALS, "plain": {}}
 ALLOWED_MODULES = sorted({module for table in TABLES.values() for module, _ in table})
 # Names an attacker reaches for, plain and dotted through the allowed module's own globals.
-ATTACK_NAMES = ("system", "os.system", "eval", "exec", "__import__", "getattr", "__builtins__.eval",
-                "sys.modules", "subprocess.getoutput", "load", "_load_global_deps", "_C._jit_set_profiling")
+ATTACK_NAMES = (
+    "system",
+    "os.system",
+    "eval",
+    "exec",
+    "__import__",
+    "getattr",
+    "__builtins__.eval",
+    "sys.modules",
+    "subprocess.getoutput",
+    "load",
+    "_load_global_deps",
+    "_C._jit_set_profiling",
+)
 
 
 def _str(op: bytes, text: str) -> bytes:
@@ -108,14 +120,18 @@ def _copy(saved: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("module", sorted({m for m, _ in unpickler._METADATA_GLOBALS}))
 def test_hostile_metadata_through_each_allowed_module_is_invalid(
-        saved_checkpoint: Path, tmp_path: Path, module: str) -> None:
+    saved_checkpoint: Path, tmp_path: Path, module: str
+) -> None:
     """A checkpoint whose `.metadata` calls os.system through an allowed module is invalid (TP-CKPT-012)."""
     marker = tmp_path / "pwned"
     ckpt = _copy(saved_checkpoint, tmp_path)
     (ckpt / ".metadata").write_bytes(stack_global_call(module, "os.system", _touch(marker)))
     result = validate(ckpt, Level.DATA)
     assert (Status.INVALID, ["TP-CKPT-012"], False) == (
-        result.status, [f.rule for f in result.findings], marker.exists())
+        result.status,
+        [f.rule for f in result.findings],
+        marker.exists(),
+    )
 
 
 @pytest.mark.parametrize("key", ["model.0.weight", "optim.param_groups.0.lr"])
@@ -159,7 +175,8 @@ def test_metadata_claiming_a_huge_tensor_allocates_nothing(saved_checkpoint: Pat
 
 
 def test_a_unicode_length_prefix_larger_than_memory_is_an_invalid_metadata(
-        saved_checkpoint: Path, tmp_path: Path) -> None:
+    saved_checkpoint: Path, tmp_path: Path
+) -> None:
     """BINUNICODE8 claiming a terabyte is read before it is decoded: reported as truncated metadata."""
     ckpt = _copy(saved_checkpoint, tmp_path)
     (ckpt / ".metadata").write_bytes(b"\x80\x05\x8d" + struct.pack("<Q", 1 << 40) + b"xx.")
@@ -169,7 +186,8 @@ def test_a_unicode_length_prefix_larger_than_memory_is_an_invalid_metadata(
 
 @pytest.mark.parametrize("opcode", [b"\x8e", b"\x96"])  # BINBYTES8, BYTEARRAY8
 def test_a_length_prefix_larger_than_memory_is_an_invalid_metadata(
-        saved_checkpoint: Path, tmp_path: Path, opcode: bytes) -> None:
+    saved_checkpoint: Path, tmp_path: Path, opcode: bytes
+) -> None:
     """Fifteen bytes that claim a terabyte are reported as unreadable metadata, not as a validator failure."""
     ckpt = _copy(saved_checkpoint, tmp_path)
     (ckpt / ".metadata").write_bytes(b"\x80\x05" + opcode + struct.pack("<Q", 1 << 40) + b"xx.")
@@ -216,8 +234,12 @@ def _nested_list(depth: int) -> bytes:
 def test_deep_nesting_inside_a_refused_pickle_is_refused(tmp_path: Path) -> None:
     """A 100 000-deep list wrapped around a forbidden call is refused, with no recursion error or crash."""
     marker = tmp_path / "pwned"
-    payload = b"\x80\x04" + _nested_list(100_000) + b"\x94" + stack_global_call(
-        "builtins", "eval", f"open({str(marker)!r}, 'w')")[2:]
+    payload = (
+        b"\x80\x04"
+        + _nested_list(100_000)
+        + b"\x94"
+        + stack_global_call("builtins", "eval", f"open({str(marker)!r}, 'w')")[2:]
+    )
     with pytest.raises(UnsafePickleError):
         load_metadata(payload)
     assert False is marker.exists()
@@ -247,8 +269,13 @@ def test_accepted_but_malformed_metadata_is_a_finding(saved_checkpoint: Path, tm
 def _check(path: Path) -> tuple[int, dict[str, object]]:
     """`torchpulse check PATH --format json`; a hang fails the test instead of blocking it."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "torchpulse", "check", str(path), "--format", "json"],
-                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchpulse", "check", str(path), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchpulse check hung on {path}")
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {"stderr": proc.stderr}

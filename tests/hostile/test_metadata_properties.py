@@ -41,9 +41,13 @@ def tensors(draw: st.DrawFn) -> TensorEntry:
         # A real sharding: split each dim into pieces, then perhaps drop, duplicate or nudge one.
         cuts = [sorted(draw(st.lists(st.integers(0, d), max_size=2))) for d in size]
         bounds = [[0, *c, d] for c, d in zip(cuts, size, strict=True)]
-        chunks = [Chunk(tuple(b[i] for b, i in zip(bounds, idx, strict=True)),
-                        tuple(b[i + 1] - b[i] for b, i in zip(bounds, idx, strict=True)))
-                  for idx in itertools.product(*(range(len(b) - 1) for b in bounds))]
+        chunks = [
+            Chunk(
+                tuple(b[i] for b, i in zip(bounds, idx, strict=True)),
+                tuple(b[i + 1] - b[i] for b, i in zip(bounds, idx, strict=True)),
+            )
+            for idx in itertools.product(*(range(len(b) - 1) for b in bounds))
+        ]
         edit = draw(st.sampled_from(["none", "drop", "dup", "nudge"]))
         if chunks and edit == "drop":
             chunks.pop(draw(st.integers(0, len(chunks) - 1)))
@@ -85,8 +89,9 @@ def pristine_metadata(saved_checkpoint: Path) -> bytes:
     return (saved_checkpoint / ".metadata").read_bytes()
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], max_examples=150,
-          deadline=None)
+@settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow], max_examples=150, deadline=None
+)
 @given(st.data())
 def test_mutated_real_metadata_unpickles_or_is_refused(pristine_metadata: bytes, data: st.DataObject) -> None:
     """Byte flips in a genuine `.metadata` give stand-ins or a refusal, never another kind of failure."""

@@ -31,15 +31,32 @@ from torchpulse.protocol import (
 FAMILIES = sorted(CATALOG)
 labels = st.text(max_size=12) | st.just("x" * (MAX_LABEL_CHARS + 1))
 floats = st.floats(allow_nan=False)
-samples = st.builds(Sample, st.sampled_from(FAMILIES) | st.text(max_size=8),
-                    st.lists(labels, max_size=3).map(tuple), floats)
-histograms = st.builds(HistogramSample, st.sampled_from(FAMILIES), st.lists(labels, max_size=2).map(tuple),
-                       st.lists(st.integers(0, 2**40), max_size=20).map(tuple), floats)
+samples = st.builds(
+    Sample, st.sampled_from(FAMILIES) | st.text(max_size=8), st.lists(labels, max_size=3).map(tuple), floats
+)
+histograms = st.builds(
+    HistogramSample,
+    st.sampled_from(FAMILIES),
+    st.lists(labels, max_size=2).map(tuple),
+    st.lists(st.integers(0, 2**40), max_size=20).map(tuple),
+    floats,
+)
 field_values = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | floats | st.text(max_size=20)
-events = st.builds(LogEvent, floats, st.text(max_size=8), st.text(max_size=20),
-                   st.dictionaries(st.text(max_size=8), field_values, max_size=4))
-batches = st.builds(Batch, st.integers(0, 2**63 - 1), floats, st.lists(samples, max_size=20),
-                    st.lists(histograms, max_size=5), st.lists(events, max_size=3))
+events = st.builds(
+    LogEvent,
+    floats,
+    st.text(max_size=8),
+    st.text(max_size=20),
+    st.dictionaries(st.text(max_size=8), field_values, max_size=4),
+)
+batches = st.builds(
+    Batch,
+    st.integers(0, 2**63 - 1),
+    floats,
+    st.lists(samples, max_size=20),
+    st.lists(histograms, max_size=5),
+    st.lists(events, max_size=3),
+)
 runs = st.text(min_size=1, max_size=30)
 
 
@@ -50,7 +67,7 @@ def test_any_valid_batches_survive_any_split(frames: list[Batch], cuts: list[int
     reader, bodies, at, i = FrameReader(), [], 0, 0
     while at < len(stream):
         step = cuts[i % len(cuts)]
-        bodies += reader.feed(stream[at:at + step])
+        bodies += reader.feed(stream[at : at + step])
         at, i = at + step, i + 1
     assert frames == [decode_agent_frame(body) for body in bodies]
 
@@ -76,7 +93,7 @@ def test_mutated_frames_raise_only_frame_error(batch: Batch, data: st.DataObject
         if op == "flip" and body:
             body[at] ^= data.draw(st.integers(1, 255))
         elif op == "cut":
-            del body[at:at + data.draw(st.integers(1, 8))]
+            del body[at : at + data.draw(st.integers(1, 8))]
         else:
             body[at:at] = data.draw(st.binary(min_size=1, max_size=8))
     for decode in (decode_agent_frame, decode_daemon_frame):
@@ -92,7 +109,7 @@ def test_reader_on_garbage_raises_only_frame_error_and_buffers_at_most_one_frame
     reader = FrameReader()
     try:
         for i in range(0, len(data), 97):
-            reader.feed(data[i:i + 97])
+            reader.feed(data[i : i + 97])
     except FrameError:
         return
     assert len(reader._buffer) <= HEADER_SIZE + MAX_FRAME_BYTES

@@ -11,7 +11,8 @@ from tests.support import PYTHON, REPO, DaemonProcess
 
 
 def test_a_daemon_dying_while_the_sender_is_blocked_never_kills_a_job_with_default_sigpipe(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     """A job that restored SIGPIPE's default trains on when the stalled daemon dies under a full send buffer."""
     code = textwrap.dedent("""
         import signal, time, torch, torchpulse
@@ -30,8 +31,9 @@ def test_a_daemon_dying_while_the_sender_is_blocked_never_kills_a_job_with_defau
         torchpulse.detach()
         print("trained on", flush=True)
         """)
-    job = subprocess.Popen([PYTHON, "-c", code], env=daemon.env(), cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [PYTHON, "-c", code], env=daemon.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert job.stdout is not None
     assert "connected\n" == job.stdout.readline()
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -67,6 +69,7 @@ def test_a_forked_child_holds_neither_the_daemon_connection_nor_the_wake_pipe(da
         print(os.waitstatus_to_exitcode(status), agent.flush(10), flush=True)
         torchpulse.detach()
         """)
-    result = subprocess.run([PYTHON, "-c", code], env=daemon.env(), cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [PYTHON, "-c", code], env=daemon.env(), cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert "0 True" == result.stdout.strip(), result.stderr

@@ -33,8 +33,11 @@ JOB = textwrap.dedent("""
 
 def _spawned_env(daemon: DaemonProcess, **extra: str) -> dict[str, str]:
     """The daemon's environment without launcher variables: ranks learn who they are from torch.distributed."""
-    env = {k: v for k, v in daemon.env(OMP_NUM_THREADS="1").items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")}
+    env = {
+        k: v
+        for k, v in daemon.env(OMP_NUM_THREADS="1").items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+    }
     return {**env, **extra}
 
 
@@ -85,14 +88,23 @@ GRADIENT_IN_WORKER_JOB = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_a_started_dataloader_worker_that_runs_backward_is_not_a_rank(daemon: DaemonProcess, tmp_path: Path,
-                                                                    context: str) -> None:
+def test_a_started_dataloader_worker_that_runs_backward_is_not_a_rank(
+    daemon: DaemonProcess, tmp_path: Path, context: str
+) -> None:
     """A spawn or forkserver worker imports torch afresh; one that runs autograd must not connect as the rank."""
-    result = run_job(GRADIENT_IN_WORKER_JOB, tmp_path, f"dlg-{context}",
-                      daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"), context)
+    result = run_job(
+        GRADIENT_IN_WORKER_JOB,
+        tmp_path,
+        f"dlg-{context}",
+        daemon.env(RANK="0", WORLD_SIZE="1", TORCHPULSE_FLUSH_INTERVAL="0.05"),
+        context,
+    )
     assert (0, "") == (result.returncode, _without_resource_tracker_warnings(result.stderr))
-    wait_for(lambda: [8.0] == list(
-        select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dlg-{context}").values()))
+    wait_for(
+        lambda: (
+            [8.0] == list(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=f"dlg-{context}").values())
+        )
+    )
     connected = [e for e in daemon.log_lines() if e.get("event") == "agent connected"]
     assert 1 == len(connected), connected
 
@@ -114,8 +126,9 @@ SPAWNED_RANKS_JOB = textwrap.dedent("""
     """)
 
 
-def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(daemon: DaemonProcess,
-                                                                           tmp_path: Path) -> None:
+def test_ranks_started_by_torch_multiprocessing_spawn_report_their_own_rank(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """No RANK in their environment: each spawned rank reports the rank and world size it initialised.
 
     The agent reads them when it first connects, after the first steps: these ranks exit with their
@@ -163,8 +176,9 @@ PROCESS_ASYNC_SAVE_JOB = textwrap.dedent("""
     """)
 
 
-def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(daemon: DaemonProcess,
-                                                                               tmp_path: Path) -> None:
+def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """DCP's PROCESS checkpointer saves in a spawned background process that calls `save` itself.
 
     Under `torchpulse run` that process gets an agent too; it must not announce the saves a second
@@ -177,8 +191,9 @@ def test_process_based_async_save_is_announced_once_per_save_by_the_rank_alone(d
     wait_for(lambda: saved == {e.get("path") for e in daemon.log_lines() if e.get("event") == "checkpoint saved"})
     counts = select(daemon.scrape(), "torchpulse_checkpoint_save_duration_seconds_count", run="process-save")
     assert {(("api", "async_save"), ("rank", "0"), ("run", "process-save")): 2.0} == counts
-    connected = [e for e in daemon.log_lines()
-                 if e.get("event") == "agent connected" and e.get("run") == "process-save"]
+    connected = [
+        e for e in daemon.log_lines() if e.get("event") == "agent connected" and e.get("run") == "process-save"
+    ]
     assert 1 == len(connected), connected
 
 
@@ -196,8 +211,9 @@ STEPPING_JOB = textwrap.dedent("""
     """)
 
 
-def test_a_second_job_under_the_same_run_name_is_refused_its_rank_and_says_so_once(daemon: DaemonProcess,
-                                                                                 tmp_path: Path) -> None:
+def test_a_second_job_under_the_same_run_name_is_refused_its_rank_and_says_so_once(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """Two jobs with one run name both report rank 0. The first keeps it; the second trains on, refused
     (it retries), with one warning on its stderr however often it retried, and the rank's totals are the
     first job's alone instead of alternating between the two."""
@@ -209,8 +225,9 @@ def test_a_second_job_under_the_same_run_name_is_refused_its_rank_and_says_so_on
     first = subprocess.Popen([*command, "120", str(stop)], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: bool(_by_rank(daemon, "torchpulse_optimizer_steps_total", "shared")), timeout=60)
-        second = subprocess.run([*command, "4", str(tmp_path / "never")], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [*command, "4", str(tmp_path / "never")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert 0 == second.returncode, second.stderr
         refusals = [line for line in second.stderr.splitlines() if "daemon refused this agent" in line]
         assert 1 == len(refusals) and "rank_taken" in refusals[0], second.stderr
@@ -247,8 +264,9 @@ def _without_resource_tracker_warnings(stderr: str) -> str:
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="remote attach is available on this Python")
 def test_attach_on_python_before_3_14_explains_and_exits_2() -> None:
     """`torchpulse attach PID` needs sys.remote_exec; older Pythons get one clear line and status 2."""
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "attach", "1"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "attach", "1"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert 2 == result.returncode
     assert result.stderr.startswith("torchpulse: attach needs Python >= 3.14 (sys.remote_exec)")
 
@@ -276,11 +294,17 @@ EARLY_STEP_SPAWNED_JOB = textwrap.dedent("""
 
 
 def test_a_spawned_rank_that_connected_before_init_process_group_reconnects_as_its_rank(
-        daemon: DaemonProcess, tmp_path: Path) -> None:
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """A spawned rank connects as rank 0 (no RANK, no group yet); once the group names it rank 1, it says
     goodbye as rank 0 (which then reads exited, not crashed) and connects again as rank 1 with all its totals."""
-    result = run_job(EARLY_STEP_SPAWNED_JOB, tmp_path, "early", _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.1"),
-                      str(tmp_path / "store"))
+    result = run_job(
+        EARLY_STEP_SPAWNED_JOB,
+        tmp_path,
+        "early",
+        _spawned_env(daemon, TORCHPULSE_FLUSH_INTERVAL="0.1"),
+        str(tmp_path / "store"),
+    )
     assert (0, "") == (result.returncode, result.stderr)
 
     def by_rank(name: str) -> dict[str, float]:

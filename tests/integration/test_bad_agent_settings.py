@@ -21,22 +21,36 @@ print("trained")
 """
 
 
-NOT_ATTACHED = "agent not attached: ValueError(\"TORCHPULSE_FLUSH_INTERVAL: expected seconds"
+NOT_ATTACHED = 'agent not attached: ValueError("TORCHPULSE_FLUSH_INTERVAL: expected seconds'
 
 
-@pytest.mark.parametrize(("variable", "value", "says"), [
-    ("TORCHPULSE_FLUSH_INTERVAL", "abc", NOT_ATTACHED),
-    ("TORCHPULSE_FLUSH_INTERVAL", "-1", NOT_ATTACHED),
-    ("TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY", "x",
-     "probe option invalid; probe skipped (probe='autograd' error=\"TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY: expected an"),
-    ("TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY", "-5", "(set by TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY)"),
-    ("TORCHPULSE_OPT_AUTOGRAD_NONFINITE", "maybe", "TORCHPULSE_OPT_AUTOGRAD_NONFINITE: expected a boolean"),
-    ("TORCHPULSE_OPT_COMPILE_TOP_K", "-3",
-     "probe skipped (probe='compile' error='TORCHPULSE_OPT_COMPILE_TOP_K: must be >= 1, got -3')"),
-    ("TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY", "0", "TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY: must be >= 1, got 0"),
-])
-def test_a_bad_setting_is_one_line_naming_its_variable_and_the_job_trains(tmp_path: Path, variable: str,
-                                                                         value: str, says: str) -> None:
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("TORCHPULSE_FLUSH_INTERVAL", "abc", NOT_ATTACHED),
+        ("TORCHPULSE_FLUSH_INTERVAL", "-1", NOT_ATTACHED),
+        (
+            "TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY",
+            "x",
+            "probe option invalid; probe skipped (probe='autograd' error=\"TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY: expected an",  # noqa: E501
+        ),
+        ("TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY", "-5", "(set by TORCHPULSE_OPT_AUTOGRAD_SAMPLE_EVERY)"),
+        ("TORCHPULSE_OPT_AUTOGRAD_NONFINITE", "maybe", "TORCHPULSE_OPT_AUTOGRAD_NONFINITE: expected a boolean"),
+        (
+            "TORCHPULSE_OPT_COMPILE_TOP_K",
+            "-3",
+            "probe skipped (probe='compile' error='TORCHPULSE_OPT_COMPILE_TOP_K: must be >= 1, got -3')",
+        ),
+        (
+            "TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY",
+            "0",
+            "TORCHPULSE_OPT_CUDAGRAPH_READINESS_EVERY: must be >= 1, got 0",
+        ),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_variable_and_the_job_trains(
+    tmp_path: Path, variable: str, value: str, says: str
+) -> None:
     """A bad option used to read "probe unavailable on this torch" or a bare float() error, or (a negative
     top K) to pass unchecked."""
     env = {**os.environ, "TORCHPULSE_SOCKET": str(tmp_path / "no-daemon.sock"), variable: value}

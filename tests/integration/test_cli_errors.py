@@ -58,12 +58,16 @@ def _peer(path: Path, answer: Callable[[socket.socket], None]) -> Iterator[None]
 
 @pytest.mark.parametrize("command", [["status"], ["ctl", "status", "--run", "r", "--timeout", "5"]])
 @pytest.mark.parametrize("name", sorted(ANSWERS))
-def test_a_peer_that_is_not_this_daemon_is_reported_in_one_line(tmp_path: Path, name: str,
-                                                                 command: list[str]) -> None:
+def test_a_peer_that_is_not_this_daemon_is_reported_in_one_line(tmp_path: Path, name: str, command: list[str]) -> None:
     """No traceback for garbage, another protocol version or a reset: one line, status 1."""
     path = tmp_path / "peer.sock"
     with _peer(path, ANSWERS[name]):
-        result = subprocess.run([sys.executable, "-m", "torchpulse", *command, "--socket", str(path)], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "torchpulse", *command, "--socket", str(path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert (1, "", 1) == (result.returncode, result.stdout, len(result.stderr.splitlines())), result.stderr
     assert result.stderr.startswith("torchpulse: ")

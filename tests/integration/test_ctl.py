@@ -37,8 +37,12 @@ def _job(daemon: DaemonProcess, run: str, job: list[str], rank: int = 0, ranks: 
     """`torchpulse run --run-name RUN -- python JOB...` as `rank` of `ranks`, with the optimizer probe."""
     return subprocess.Popen(
         [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--", sys.executable, *job],
-        cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=daemon.env(RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"))
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=daemon.env(RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", TORCHPULSE_PROBES="optimizer"),
+    )
 
 
 def _jobs(daemon: DaemonProcess, run: str, steps: int, sleep: float, ranks: int = 2) -> list[subprocess.Popen[str]]:
@@ -47,12 +51,19 @@ def _jobs(daemon: DaemonProcess, run: str, steps: int, sleep: float, ranks: int 
 
 
 def _ctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchpulse", "ctl", *args, "--socket", str(daemon.socket_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, env=daemon.env())
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "ctl", *args, "--socket", str(daemon.socket_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=daemon.env(),
+    )
 
 
 def _ctl_as_user(uid: int, argv: list[str]) -> tuple[int, str]:
     """Run the ctl CLI code as `uid` (in-process in a forked child): its exit code and stderr."""
+
     def ctl() -> tuple[int, bytes]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -184,10 +195,12 @@ def test_a_caller_outside_the_allowed_users_is_refused() -> None:
     try:
         daemon.socket_path.chmod(0o666)
         code, stderr = _ctl_as_user(65534, ["ctl", "status", "--run", "any", "--socket", str(daemon.socket_path)])
-        assert (1, "torchpulse: refused: uid 65534 may not send commands to this run (allowed: root, the daemon's "
-                "user or the user whose job reports the run)\n") == (code, stderr)
-        wait_for(lambda: any(e.get("event") == "command refused" and e.get("uid") == 65534
-                             for e in daemon.log_lines()))
+        assert (
+            1,
+            "torchpulse: refused: uid 65534 may not send commands to this run (allowed: root, the daemon's "
+            "user or the user whose job reports the run)\n",
+        ) == (code, stderr)
+        wait_for(lambda: any(e.get("event") == "command refused" and e.get("uid") == 65534 for e in daemon.log_lines()))
     finally:
         daemon.stop()
 
@@ -201,8 +214,9 @@ def test_commands_are_not_starved_by_heavy_event_traffic(daemon: DaemonProcess) 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(daemon.socket_path))
             sock.sendall(encode(Hello(f"flood{index}", 0, 0, 1, os.getpid(), "h", "2.13", "0.1.0", "x", 0.0)))
-            frame = encode(Batch(1, 0.0, [Sample("optimizer_steps_total", (f"SGD#{i}",), 1.0) for i in range(500)],
-                                 [], []))
+            frame = encode(
+                Batch(1, 0.0, [Sample("optimizer_steps_total", (f"SGD#{i}",), 1.0) for i in range(500)], [], [])
+            )
             while not stop.is_set():
                 sock.sendall(frame)
 
@@ -224,20 +238,26 @@ def test_commands_are_not_starved_by_heavy_event_traffic(daemon: DaemonProcess) 
         _stop(procs)
 
 
-@pytest.mark.parametrize(("args", "error"), [
-    (["status", "--run", "x", "--rank", "99999999999999999999999"], "argument --rank: must be from 0 to"),
-    (["status", "--run", "x", "--rank", "-1"], "argument --rank: must be from 0 to"),
-    (["status", "--run", "x", "--timeout", "nan"], "argument --timeout: must be from 0 (exclusive) to 3600"),
-    (["status", "--run", "x", "--timeout", "inf"], "argument --timeout: must be from 0 (exclusive) to 3600"),
-    (["status", "--run", "x", "--timeout", "0"], "argument --timeout: must be from 0 (exclusive) to 3600"),
-    (["autograd-log", "99999999999999999999999", "--run", "x"], "argument passes: must be from 1 to 100"),
-    (["sample", "autograd", "1e-30", "--run", "x"], "argument rate: must be 0 (off) or from 1e-06 to 1, got 1e-30"),
-    (["trace", "--steps", "100000", "--out", "/tmp/t", "--run", "x"], "argument --steps: must be from 1 to 100"),
-    (["trace", "--steps", "5", "--out", "/tmp/t", "--run", "x", "--start-step", "1" + "0" * 30],
-     "argument --start-step: must be from 0 to"),
-])
-def test_out_of_range_numbers_are_a_usage_error_not_a_traceback(daemon: DaemonProcess, args: list[str],
-                                                                error: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["status", "--run", "x", "--rank", "99999999999999999999999"], "argument --rank: must be from 0 to"),
+        (["status", "--run", "x", "--rank", "-1"], "argument --rank: must be from 0 to"),
+        (["status", "--run", "x", "--timeout", "nan"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+        (["status", "--run", "x", "--timeout", "inf"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+        (["status", "--run", "x", "--timeout", "0"], "argument --timeout: must be from 0 (exclusive) to 3600"),
+        (["autograd-log", "99999999999999999999999", "--run", "x"], "argument passes: must be from 1 to 100"),
+        (["sample", "autograd", "1e-30", "--run", "x"], "argument rate: must be 0 (off) or from 1e-06 to 1, got 1e-30"),
+        (["trace", "--steps", "100000", "--out", "/tmp/t", "--run", "x"], "argument --steps: must be from 1 to 100"),
+        (
+            ["trace", "--steps", "5", "--out", "/tmp/t", "--run", "x", "--start-step", "1" + "0" * 30],
+            "argument --start-step: must be from 0 to",
+        ),
+    ],
+)
+def test_out_of_range_numbers_are_a_usage_error_not_a_traceback(
+    daemon: DaemonProcess, args: list[str], error: str
+) -> None:
     """Numbers msgpack cannot carry or agents would refuse fail in the CLI with exit 2 and one clear line."""
     result = _ctl(daemon, *args)
     assert (2, "") == (result.returncode, result.stdout), result.stderr
@@ -247,11 +267,29 @@ def test_out_of_range_numbers_are_a_usage_error_not_a_traceback(daemon: DaemonPr
 
 def test_an_undecodable_run_name_is_addressed_as_the_agents_send_it(daemon: DaemonProcess) -> None:
     """A run name with a non-UTF-8 byte (the agent sends it with "?") reaches the daemon, no traceback."""
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "ctl", "status", "--run", b"caf\xe9".decode(
-        "utf-8", "surrogateescape"), "--socket", str(daemon.socket_path)], cwd=REPO, capture_output=True, text=True,
-        timeout=120, env=daemon.env())
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "ctl",
+            "status",
+            "--run",
+            b"caf\xe9".decode("utf-8", "surrogateescape"),
+            "--socket",
+            str(daemon.socket_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=daemon.env(),
+    )
     assert (1, "run caf?: no such run, or no ranks connected\n", "") == (
-        result.returncode, result.stdout, result.stderr)
+        result.returncode,
+        result.stdout,
+        result.stderr,
+    )
 
 
 def test_a_rank_that_exits_while_a_command_waits_is_reported_at_once(daemon: DaemonProcess) -> None:
@@ -262,15 +300,35 @@ def test_a_rank_that_exits_while_a_command_waits_is_reported_at_once(daemon: Dae
         _wait_connected(daemon, "gone", 1)
         procs[0].send_signal(signal.SIGSTOP)
         started = time.monotonic()
-        ctl = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", "gone",
-                                "--timeout", "60", "--socket", str(daemon.socket_path)], cwd=REPO, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=daemon.env())
+        ctl = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "ctl",
+                "enable",
+                "autograd",
+                "--run",
+                "gone",
+                "--timeout",
+                "60",
+                "--socket",
+                str(daemon.socket_path),
+            ],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=daemon.env(),
+        )
         wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
         procs[0].kill()
         stdout, stderr = ctl.communicate(timeout=90)
         assert time.monotonic() - started < 30
-        assert (1, "rank   0  not_connected the rank disconnected before answering (it exited, detached or "
-                "reconnected)") == (ctl.returncode, stdout.strip()), stderr
+        assert (
+            1,
+            "rank   0  not_connected the rank disconnected before answering (it exited, detached or reconnected)",
+        ) == (ctl.returncode, stdout.strip()), stderr
     finally:
         _stop(procs)
 
@@ -314,15 +372,21 @@ def test_a_job_that_ends_mid_trace_exits_cleanly_and_says_so(daemon: DaemonProce
     job = _job(daemon, "short", [str(script)])
     try:
         # Stepping already: the trace's first step is then planned from the job's real step rate.
-        wait_for(lambda: 5 <= sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="short").values()),
-                 timeout=60)
+        wait_for(
+            lambda: 5 <= sum(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run="short").values()),
+            timeout=60,
+        )
         started = time.monotonic()
-        result = _ctl(daemon, "trace", "--run", "short", "--steps", "100", "--out", str(tmp_path / "traces"),
-                      "--timeout", "300")
+        result = _ctl(
+            daemon, "trace", "--run", "short", "--steps", "100", "--out", str(tmp_path / "traces"), "--timeout", "300"
+        )
         assert time.monotonic() - started < 60
         assert 1 == result.returncode
-        assert re.fullmatch(r"rank   0  failed        the agent detached before the trace of steps \d+\.\.\d+ was "
-                            r"complete; nothing was written", result.stdout.strip()), result.stdout + result.stderr
+        assert re.fullmatch(
+            r"rank   0  failed        the agent detached before the trace of steps \d+\.\.\d+ was "
+            r"complete; nothing was written",
+            result.stdout.strip(),
+        ), result.stdout + result.stderr
         _, stderr = job.communicate(timeout=60)
         assert 0 == job.returncode, stderr
         assert "Traceback" not in stderr

@@ -18,7 +18,8 @@ from torchpulse.protocol import HEADER, Command, CtlRequest, Hello, decode_daemo
 
 
 def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_command(
-        daemon: DaemonProcess, tmp_path: Path) -> None:
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """A trace waits in the agent for a far step when the daemon is SIGKILLed; the new daemon's first trace
     supersedes it, and the agent answers the old one ("superseded") on its new connection. That answer is
     not the new command's: with ids counted from 1 in every daemon it was, and the client was told its own
@@ -28,15 +29,39 @@ def test_an_answer_meant_for_the_daemon_before_a_restart_does_not_answer_a_new_c
     try:
         _wait_connected(current, "ids", 1)
         far = 1_000_000
-        first = _ctl(current, "trace", "--run", "ids", "--start-step", str(far), "--steps", "1", "--out",
-                     str(tmp_path), "--timeout", "1")
+        first = _ctl(
+            current,
+            "trace",
+            "--run",
+            "ids",
+            "--start-step",
+            str(far),
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--timeout",
+            "1",
+        )
         assert first.stdout.startswith("rank   0  timeout"), first.stdout + first.stderr
         current.proc.kill()
         current.proc.wait(10)
         current = current.restart()
         _wait_connected(current, "ids", 1)
-        second = _ctl(current, "trace", "--run", "ids", "--start-step", str(far + 5), "--steps", "1", "--out",
-                      str(tmp_path), "--timeout", "2")
+        second = _ctl(
+            current,
+            "trace",
+            "--run",
+            "ids",
+            "--start-step",
+            str(far + 5),
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--timeout",
+            "2",
+        )
         # Its own answer: still waiting for step far + 5, so a timeout (the old trace's "superseded" is not it).
         assert second.stdout.startswith("rank   0  timeout       no answer within 2s"), second.stdout + second.stderr
         assert "superseded" not in second.stdout
@@ -68,17 +93,36 @@ def test_a_command_right_after_a_restart_answers_for_every_rank_still_reconnecti
         current.stop()
 
 
-def _enable_waiting_on_a_stopped_rank(daemon: DaemonProcess, run: str) -> tuple[list[subprocess.Popen[str]],
-                                                                                  subprocess.Popen[str]]:
+def _enable_waiting_on_a_stopped_rank(
+    daemon: DaemonProcess, run: str
+) -> tuple[list[subprocess.Popen[str]], subprocess.Popen[str]]:
     """A one-rank job, stopped (SIGSTOP), and a `ctl enable autograd` client waiting for its answer."""
     procs = _jobs(daemon, run, steps=100000, sleep=0.02, ranks=1)
     try:
         _wait_connected(daemon, run, 1)
         procs[0].send_signal(signal.SIGSTOP)
-        client = subprocess.Popen([sys.executable, "-m", "torchpulse", "ctl", "enable", "autograd", "--run", run,
-                                   "--timeout", "3600", "--socket", str(daemon.socket_path)], cwd=REPO,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=daemon.env(),
-                                  preexec_fn=sigint_as_at_a_terminal)
+        client = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torchpulse",
+                "ctl",
+                "enable",
+                "autograd",
+                "--run",
+                run,
+                "--timeout",
+                "3600",
+                "--socket",
+                str(daemon.socket_path),
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=daemon.env(),
+            preexec_fn=sigint_as_at_a_terminal,
+        )
         wait_for(lambda: any(e.get("event") == "command received" for e in daemon.log_lines()))
     except BaseException:
         procs[0].send_signal(signal.SIGCONT)
@@ -87,8 +131,7 @@ def _enable_waiting_on_a_stopped_rank(daemon: DaemonProcess, run: str) -> tuple[
     return procs, client
 
 
-def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_applies_it(
-        daemon: DaemonProcess) -> None:
+def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_applies_it(daemon: DaemonProcess) -> None:
     """`ctl enable` waits for a stopped rank and its user presses Ctrl-C: the client exits 130 without a
     traceback, and the daemon drops the command at once, while the rank is still stopped (it used to wait for
     the answer, up to the client's timeout of an hour, holding a connection kept for status and ctl); the rank
@@ -104,10 +147,14 @@ def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_ap
         assert 0 == status.returncode, status.stdout + status.stderr
         wait_for(lambda: "probes=autograd,optimizer" in _ctl(daemon, "status", "--run", "gone").stdout)
         abandoned = [e for e in daemon.log_lines() if str(e.get("event", "")).startswith("command abandoned")]
-        assert [("enable", "gone", [0])] == [(e.get("command"), e.get("run"), e.get("ranks_reached"))
-                                             for e in abandoned]
-        assert [] == [e for e in daemon.log_lines() if e.get("level") in ("warning", "error")
-                      and e.get("event") != "agent disconnected"]
+        assert [("enable", "gone", [0])] == [
+            (e.get("command"), e.get("run"), e.get("ranks_reached")) for e in abandoned
+        ]
+        assert [] == [
+            e
+            for e in daemon.log_lines()
+            if e.get("level") in ("warning", "error") and e.get("event") != "agent disconnected"
+        ]
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGCONT)
@@ -115,15 +162,19 @@ def test_a_client_gone_before_the_answer_is_let_go_at_once_and_the_rank_still_ap
 
 
 def test_a_daemon_gone_while_a_command_waits_is_reported_at_once_with_what_may_still_happen(
-        daemon: DaemonProcess) -> None:
+    daemon: DaemonProcess,
+) -> None:
     """The daemon dies while `ctl enable` waits for a stopped rank: the client says so at once, exit 1, and that
     the rank may still apply the command (it has it), instead of waiting out its timeout."""
     procs, client = _enable_waiting_on_a_stopped_rank(daemon, "died")
     try:
         daemon.proc.kill()
         _, stderr = client.communicate(timeout=20)
-        assert (1, "torchpulse: the daemon closed the connection without answering; ranks it reached may still "
-                "apply the command\n") == (client.returncode, stderr)
+        assert (
+            1,
+            "torchpulse: the daemon closed the connection without answering; ranks it reached may still "
+            "apply the command\n",
+        ) == (client.returncode, stderr)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGCONT)
@@ -167,7 +218,7 @@ def test_a_command_is_on_every_rank_connection_before_the_hub_first_waits() -> N
         return reached
 
     reached = asyncio.run(cancelled_at_first_wait())
-    commands = [[decode_daemon_frame(frame[HEADER.size:]) for frame in written[rank]] for rank in (0, 1)]
+    commands = [[decode_daemon_frame(frame[HEADER.size :]) for frame in written[rank]] for rank in (0, 1)]
     assert [0, 1] == reached
     assert [["enable"], ["enable"]] == [[c.name for c in sent if isinstance(c, Command)] for sent in commands]
     assert {} == hub._waiting

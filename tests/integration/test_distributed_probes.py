@@ -157,8 +157,11 @@ def _delta(facts: dict[str, Any], phase: str, key: str) -> float:
 def _nonfinite(facts: dict[str, Any], phase: str, before: str | None = None) -> list[tuple[int, list[str]]]:
     """(pass index within the phase, sorted parameter names) of each non-finite event of a phase."""
     start = facts[before or PHASES[PHASES.index(phase) - 1]]["passes"]
-    return [(fields["pass_index"] - start, sorted(fields["names"].split(",")))
-            for event, fields in facts[phase]["events"] if event == "autograd.nonfinite_gradients"]
+    return [
+        (fields["pass_index"] - start, sorted(fields["names"].split(",")))
+        for event, fields in facts[phase]["events"]
+        if event == "autograd.nonfinite_gradients"
+    ]
 
 
 def _value(facts: dict[str, Any], phase: str, key: str) -> float | None:
@@ -188,21 +191,26 @@ def test_ddp_no_sync_passes_are_counted_on_every_rank(ranks: list[dict[str, Any]
     assert [(4.0, 2.0)] * 2 == [(_delta(f, "ddp_no_sync", PASSES), _delta(f, "ddp_no_sync", SGD)) for f in ranks]
 
 
-def test_ddp_nan_on_one_rank_is_seen_there_first_then_on_both_after_the_all_reduce(
-        ranks: list[dict[str, Any]]) -> None:
+def test_ddp_nan_on_one_rank_is_seen_there_first_then_on_both_after_the_all_reduce(ranks: list[dict[str, Any]]) -> None:
     """Rank 1's local NaN shows after its no_sync pass on rank 1 only; the all-reduce of the next pass spreads it
     to rank 0; the parameters are named as in the model, without DDP's `module.` prefix."""
     assert [[(3, NAMES)], [(2, NAMES), (3, NAMES)]] == [_nonfinite(f, "ddp_no_sync") for f in ranks]
 
 
 def test_ddp_with_unused_parameters_or_a_static_graph_is_counted_without_probe_errors(
-        ranks: list[dict[str, Any]]) -> None:
+    ranks: list[dict[str, Any]],
+) -> None:
     """find_unused_parameters=True and static_graph=True: 2 passes and 2 steps each, every probe still enabled."""
-    counts = [(_delta(f, phase, PASSES), _delta(f, phase, SGD))
-              for f in ranks for phase in ("ddp_unused", "ddp_static")]
+    counts = [
+        (_delta(f, phase, PASSES), _delta(f, phase, SGD)) for f in ranks for phase in ("ddp_unused", "ddp_static")
+    ]
     assert [(2.0, 2.0)] * 4 == counts
-    errors = [key for f in ranks for key, value in f["dcp_save"]["values"].items()
-              if key.startswith("agent_probe_errors_total") and value]
+    errors = [
+        key
+        for f in ranks
+        for key, value in f["dcp_save"]["values"].items()
+        if key.startswith("agent_probe_errors_total") and value
+    ]
     assert [] == errors
 
 
@@ -214,8 +222,10 @@ def test_fsdp2_passes_steps_and_local_optimizer_state(ranks: list[dict[str, Any]
     # 5 rows over 2 ranks: 3 and 2, so the ranks hold different shards.
     assert [47, 38] == [f[f"{phase}_local_elements"] for f in ranks]
     expected = [(3.0, 3.0, 8.0 * elements + 4 * 4) for elements in (47, 38)]
-    assert expected == [(_delta(f, phase, PASSES), _delta(f, phase, ADAMW),
-                         _value(f, phase, "optimizer_state_bytes|AdamW#0")) for f in ranks]
+    assert expected == [
+        (_delta(f, phase, PASSES), _delta(f, phase, ADAMW), _value(f, phase, "optimizer_state_bytes|AdamW#0"))
+        for f in ranks
+    ]
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -227,7 +237,13 @@ def test_fsdp2_nonfinite_shards_are_found_and_named(ranks: list[dict[str, Any]],
 
 def test_dcp_save_of_fsdp2_state_is_timed_on_both_ranks_and_validated_once(ranks: list[dict[str, Any]]) -> None:
     """Both ranks time the save; only rank 0 (which writes `.metadata`) asks the daemon to validate it."""
-    saved = [[(Path(fields["path"]).name, fields["api"], fields["validate"])
-              for event, fields in f["dcp_save"]["events"] if event == "checkpoint saved"] for f in ranks]
+    saved = [
+        [
+            (Path(fields["path"]).name, fields["api"], fields["validate"])
+            for event, fields in f["dcp_save"]["events"]
+            if event == "checkpoint saved"
+        ]
+        for f in ranks
+    ]
     assert [[("step-1", "save", True)], [("step-1", "save", False)]] == saved
     assert [1.0, 1.0] == [_value(f, "dcp_save", "checkpoint_save_duration_seconds|save") for f in ranks]

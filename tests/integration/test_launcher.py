@@ -30,10 +30,17 @@ TRAIN = textwrap.dedent("""
     """)
 
 
-def _run(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO,
-         options: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchpulse", "run", *options, "--", *cmd], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+def _run(
+    *cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", *options, "--", *cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _steps(daemon: DaemonProcess, run: str) -> list[float]:
@@ -63,7 +70,8 @@ def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> N
     assert (127, 126) == (missing.returncode, denied.returncode)
     assert (["No such file or directory"], ["Permission denied"]) == (
         [line.rsplit(": ", 1)[1] for line in missing.stderr.splitlines()],
-        [line.rsplit(": ", 1)[1] for line in denied.stderr.splitlines()])
+        [line.rsplit(": ", 1)[1] for line in denied.stderr.splitlines()],
+    )
 
 
 def test_run_without_a_command_prints_a_usage_that_names_every_option() -> None:
@@ -98,8 +106,9 @@ def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path: P
     script = tmp_path / "job.py"
     script.write_text("import local_helpers\nprint(local_helpers.VALUE)\n")
     env = dict(os.environ, PYTHONPATH=pythonpath.format(repo=REPO))
-    direct = subprocess.run([sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True,
-                            timeout=60)
+    direct = subprocess.run(
+        [sys.executable, str(script)], cwd=workdir, env=env, capture_output=True, text=True, timeout=60
+    )
     wrapped = _run(sys.executable, str(script), env=env, cwd=workdir)
     assert [(0, "42\n", "")] * 2 == [(r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
 
@@ -108,8 +117,14 @@ def test_a_relative_socket_is_found_after_the_job_changes_directory(daemon: Daem
     """`--socket agent.sock` names the socket where `torchpulse run` started, not where the job moved to."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    result = _run(sys.executable, str(script), "/", env=daemon.env(), cwd=daemon.socket_path.parent,
-                  options=("--socket", daemon.socket_path.name, "--run-name", "moved"))
+    result = _run(
+        sys.executable,
+        str(script),
+        "/",
+        env=daemon.env(),
+        cwd=daemon.socket_path.parent,
+        options=("--socket", daemon.socket_path.name, "--run-name", "moved"),
+    )
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: [3.0] == _steps(daemon, "moved"))
 
@@ -121,14 +136,19 @@ def test_a_sitecustomize_that_imports_torch_still_gets_the_agent(daemon: DaemonP
     (site / "sitecustomize.py").write_text("import torch\n")
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    result = _run(sys.executable, str(script), env=daemon.env(PYTHONPATH=f"{site}{os.pathsep}{REPO}"),
-                  options=("--run-name", "site-torch"))
+    result = _run(
+        sys.executable,
+        str(script),
+        env=daemon.env(PYTHONPATH=f"{site}{os.pathsep}{REPO}"),
+        options=("--run-name", "site-torch"),
+    )
     assert (0, "") == (result.returncode, result.stderr)
     wait_for(lambda: [3.0] == _steps(daemon, "site-torch"))
 
 
-def test_a_job_that_looks_for_torch_before_importing_it_still_gets_the_agent(daemon: DaemonProcess,
-                                                                            tmp_path: Path) -> None:
+def test_a_job_that_looks_for_torch_before_importing_it_still_gets_the_agent(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """`importlib.util.find_spec("torch")` (how transformers and accelerate check for torch) imports
     nothing: the agent still attaches at the import that follows."""
     script = tmp_path / "train.py"
@@ -158,13 +178,15 @@ def test_an_old_python3_the_job_runs_starts_silently_and_runs_the_users_sitecust
     site.mkdir()
     # Silent in `torchpulse run` itself, which the same PYTHONPATH applies to.
     (site / "sitecustomize.py").write_text(
-        "import sys\nif sys.version_info < (3, 7):\n    sys.stderr.write('user sitecustomize\\n')\n")
+        "import sys\nif sys.version_info < (3, 7):\n    sys.stderr.write('user sitecustomize\\n')\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     code = "import json; print(json.dumps({'ok': 1}))"
     direct = subprocess.run([python36, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     wrapped = _run(python36, "-c", code, env=env)
     assert [(0, '{"ok": 1}\n', "user sitecustomize\n")] * 2 == [
-        (r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
+        (r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)
+    ]
 
 
 def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_path: Path) -> None:
@@ -175,7 +197,8 @@ def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_
     site.mkdir()
     # Silent in the `torchpulse run` process itself, which the same PYTHONPATH applies to.
     (site / "sitecustomize.py").write_text(
-        "import os, sys\nif os.environ.get('TORCHPULSE_BOOTSTRAP'):\n    sys.stderr.write('user sitecustomize\\n')\n")
+        "import os, sys\nif os.environ.get('TORCHPULSE_BOOTSTRAP'):\n    sys.stderr.write('user sitecustomize\\n')\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(other), str(site), str(REPO)]))
     code = "import sys; print(sum(type(f).__name__ == '_AttachAfterTorch' for f in sys.meta_path))"
     result = _run(sys.executable, "-c", code, env=env)
@@ -191,7 +214,11 @@ def test_the_children_that_get_no_agent_are_named_by_the_modules_torch_defines_t
     from torch.utils.data._utils.worker import _worker_loop
 
     source = (BOOTSTRAP_DIR / "sitecustomize.py").read_text()
-    (skipped,) = [ast.literal_eval(node.value) for node in ast.parse(source).body if isinstance(node, ast.Assign)
-                  and [getattr(t, "id", None) for t in node.targets] == ["NON_TRAINING_TARGET_MODULES"]]
+    (skipped,) = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["NON_TRAINING_TARGET_MODULES"]
+    ]
     for target in (_worker_loop, _AsyncCheckpointProcess._checkpointing_subprocess):
         assert target.__module__ in skipped

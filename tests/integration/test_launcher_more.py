@@ -15,8 +15,14 @@ from tests.support import REPO
 
 
 def _run(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchpulse", "run", "--", *cmd], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--", *cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("with_user_sitecustomize", [False, True])
@@ -30,12 +36,14 @@ def test_a_python2_process_the_job_runs_is_left_as_it_was(tmp_path: Path, with_u
     site.mkdir()
     if with_user_sitecustomize:
         # Silent in `torchpulse run` itself, which the same PYTHONPATH applies to.
-        (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        (site / "sitecustomize.py").write_text(
+            textwrap.dedent("""
             import sys
             if sys.version_info[0] == 2:
                 sys.stderr.write("user sitecustomize\\n")
                 sys.path.append("/added/by/user")
-            """))
+            """)
+        )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     code = "import sys; print([p for p in sys.path if p.startswith('/added')])"
     direct = subprocess.run([python2, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -44,8 +52,10 @@ def test_a_python2_process_the_job_runs_is_left_as_it_was(tmp_path: Path, with_u
     assert [expected] * 2 == [(r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
 
 
-REPORT = "import os, sys, torch\nfrom torchpulse.probes.api import current_agent\n" \
-         "print(sys.argv[1], current_agent() is not None, flush=True)\n"
+REPORT = (
+    "import os, sys, torch\nfrom torchpulse.probes.api import current_agent\n"
+    "print(sys.argv[1], current_agent() is not None, flush=True)\n"
+)
 
 
 def test_every_python_a_shell_pipeline_starts_gets_one_agent(tmp_path: Path) -> None:
@@ -58,10 +68,16 @@ def test_every_python_a_shell_pipeline_starts_gets_one_agent(tmp_path: Path) -> 
     script.write_text("#!/usr/bin/env python3\n" + REPORT)
     script.chmod(0o755)
     python_dir = Path(sys.executable).parent
-    env = dict(os.environ, PATH=f"{python_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
-               PYTHONPATH=str(REPO), TORCHPULSE_SOCKET=str(tmp_path / "no-daemon.sock"))
-    pipeline = ("{ python -m pkg.report module; ./report.py shebang; }"
-                " | python -c 'import sys; exec(open(\"report.py\").read()); print(sys.stdin.read(), end=\"\")' piped;"
-                " exit 3")
+    env = dict(
+        os.environ,
+        PATH=f"{python_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
+        PYTHONPATH=str(REPO),
+        TORCHPULSE_SOCKET=str(tmp_path / "no-daemon.sock"),
+    )
+    pipeline = (
+        "{ python -m pkg.report module; ./report.py shebang; }"
+        ' | python -c \'import sys; exec(open("report.py").read()); print(sys.stdin.read(), end="")\' piped;'
+        " exit 3"
+    )
     result = _run("sh", "-c", pipeline, env=env, cwd=tmp_path)
     assert (3, "piped True\nmodule True\nshebang True\n", "") == (result.returncode, result.stdout, result.stderr)

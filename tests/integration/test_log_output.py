@@ -118,8 +118,9 @@ warnings.warn("a library's warning")
 
 
 def _stdlib_records(log_format: str) -> list[str]:
-    result = subprocess.run([sys.executable, "-c", ASYNCIO_FAILURE, log_format], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", ASYNCIO_FAILURE, log_format], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert (0, "") == (result.returncode, result.stdout)
     return result.stderr.splitlines()
 
@@ -129,7 +130,10 @@ def test_the_standard_librarys_records_in_the_daemon_are_json_lines_too() -> Non
     events = [json.loads(line) for line in _stdlib_records("json")]
     asyncio_error, warning = events
     assert ("error", "asyncio", "Task exception was never retrieved") == (
-        asyncio_error["level"], asyncio_error["logger"], str(asyncio_error["event"]).splitlines()[0])
+        asyncio_error["level"],
+        asyncio_error["logger"],
+        str(asyncio_error["event"]).splitlines()[0],
+    )
     assert "ZeroDivisionError: from a task nobody awaits" in str(asyncio_error["exception"])
     assert ("warning", "py.warnings") == (warning["level"], warning["logger"])
     assert "timestamp" in asyncio_error
@@ -144,18 +148,26 @@ def test_the_standard_librarys_records_on_a_terminal_are_readable_lines() -> Non
 
 def test_under_journald_each_line_carries_its_priority_for_journalctl_p(tmp_path: Path) -> None:
     """stderr being the journal stream systemd names in JOURNAL_STREAM: `<N>` prefixes; anywhere else, none."""
-    script = ("import logging, sys\nfrom torchpulse.daemon import logs\nlogs.configure('auto', 'info')\n"
-              "import structlog\nlog = structlog.get_logger()\nlog.info('routine')\nlog.warning('look')\n"
-              "logging.getLogger('asyncio').error('broken')\n")
+    script = (
+        "import logging, sys\nfrom torchpulse.daemon import logs\nlogs.configure('auto', 'info')\n"
+        "import structlog\nlog = structlog.get_logger()\nlog.info('routine')\nlog.warning('look')\n"
+        "logging.getLogger('asyncio').error('broken')\n"
+    )
     out = tmp_path / "stderr"
     with out.open("w") as stderr:
         st = os.fstat(stderr.fileno())
         for stream in (f"{st.st_dev}:{st.st_ino}", f"{st.st_dev}:{st.st_ino + 1}"):
-            subprocess.run([sys.executable, "-c", script], cwd=REPO, stderr=stderr, check=True, timeout=60,
-                           env={**os.environ, "JOURNAL_STREAM": stream})
+            subprocess.run(
+                [sys.executable, "-c", script],
+                cwd=REPO,
+                stderr=stderr,
+                check=True,
+                timeout=60,
+                env={**os.environ, "JOURNAL_STREAM": stream},
+            )
     lines = out.read_text().splitlines()
     assert ["<6>", "<4>", "<3>", "", "", ""] == [line[: line.index("{")] for line in lines]
-    assert ["routine", "look", "broken"] * 2 == [json.loads(line[line.index("{"):])["event"] for line in lines]
+    assert ["routine", "look", "broken"] * 2 == [json.loads(line[line.index("{") :])["event"] for line in lines]
 
 
 def test_log_flags_override_the_config_and_survive_a_reload(tmp_path: Path) -> None:

@@ -15,17 +15,33 @@ from torchpulse.summary import histogram_quantile
 STEPS = 24
 
 
-def _job(daemon: DaemonProcess, *args: str, run: str = "it", ranks: int = 2,
-         **env: str) -> list[subprocess.Popen[str]]:
+def _job(daemon: DaemonProcess, *args: str, run: str = "it", ranks: int = 2, **env: str) -> list[subprocess.Popen[str]]:
     """Start `ranks` processes of the demo job under `torchpulse run`, like torchrun would."""
     procs = []
     for rank in range(ranks):
-        cmd = [sys.executable, "-m", "torchpulse", "run", "--run-name", run, "--",
-               sys.executable, "-m", "torchpulse.demo_job", *args]
-        procs.append(subprocess.Popen(
-            cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=daemon.env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1",
-                           **env)))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "run",
+            "--run-name",
+            run,
+            "--",
+            sys.executable,
+            "-m",
+            "torchpulse.demo_job",
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=daemon.env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", **env),
+            )
+        )
     return procs
 
 
@@ -46,8 +62,12 @@ def test_two_ranks_report_exact_steps_histograms_and_scheduled_lr(daemon: Daemon
         assert ([float(STEPS)], [float(STEPS)]) == (list(steps.values()), list(count.values()))
         # StepLR halves every STEPS/4 steps; the last step ran with lr after 3 halvings.
         assert [0.01 * 0.5**3] == list(lr.values())
-        buckets = [(float(dict(k)["le"]), v) for k, v in select(
-            samples, "torchpulse_optimizer_step_duration_seconds_bucket", run="it", rank=rank).items()]
+        buckets = [
+            (float(dict(k)["le"]), v)
+            for k, v in select(
+                samples, "torchpulse_optimizer_step_duration_seconds_bucket", run="it", rank=rank
+            ).items()
+        ]
         p50 = histogram_quantile(0.5, buckets)
         assert 0 < next(iter(total.values())) < STEPS * 1.0
         assert 1e-5 < p50 < 1.0
@@ -66,16 +86,18 @@ def test_non_finite_passes_are_exported_at_zero_before_the_first_nan(daemon: Dae
     assert steps < nan_at  # else this scrape shows nothing about the time before the NaN
     assert [0.0] == list(select(samples, "torchpulse_grad_nonfinite_passes_total", run="zeros", rank="0").values())
     assert [(0, "")] == _finish(procs)
-    assert [1.0] == list(select(daemon.scrape(), "torchpulse_grad_nonfinite_passes_total", run="zeros",
-                                rank="0").values())
+    assert [1.0] == list(
+        select(daemon.scrape(), "torchpulse_grad_nonfinite_passes_total", run="zeros", rank="0").values()
+    )
 
 
 def test_promtool_accepts_the_real_exposition(daemon: DaemonProcess) -> None:
     """`promtool check metrics` on a scrape taken after a real job prints nothing."""
     promtool = require_tool("promtool")
     assert [(0, "")] == _finish(_job(daemon, "--steps", "3", ranks=1))
-    result = subprocess.run([promtool, "check", "metrics"], input=daemon.scrape_text(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=daemon.scrape_text(), capture_output=True, text=True, timeout=60
+    )
     assert (0, "", "") == (result.returncode, result.stdout, result.stderr)
 
 
@@ -83,8 +105,13 @@ def test_job_without_daemon_trains_with_one_warning_line(tmp_path: Path) -> None
     """With no daemon the job exits 0 and stderr holds exactly one torchpulse warning line."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHPULSE_SOCKET=str(tmp_path / "absent.sock"))
     result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--", sys.executable, "-m", "torchpulse.demo_job",
-         "--steps", "5"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "torchpulse", "run", "--", sys.executable, "-m", "torchpulse.demo_job", "--steps", "5"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert 0 == result.returncode
     lines = result.stderr.splitlines()
     assert 1 == len(lines), result.stderr
@@ -97,8 +124,26 @@ def test_a_socket_path_too_long_for_unix_sockets_is_one_clear_line_and_the_job_t
     deep.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-m", "torchpulse", "run", "--socket", "agent.sock", "--", sys.executable, "-m",
-         "torchpulse.demo_job", "--steps", "5"], cwd=deep, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "torchpulse",
+            "run",
+            "--socket",
+            "agent.sock",
+            "--",
+            sys.executable,
+            "-m",
+            "torchpulse.demo_job",
+            "--steps",
+            "5",
+        ],
+        cwd=deep,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = result.stderr.splitlines()
     assert (0, 1) == (result.returncode, len(lines)), result.stderr
     assert lines[0].startswith("torchpulse: the daemon's socket path is too long to connect to; training continues")
@@ -120,7 +165,8 @@ def test_daemon_killed_and_restarted_mid_job_loses_no_steps(daemon: DaemonProces
         wait_for(lambda: 2 == len(select(restarted.scrape(), "torchpulse_optimizer_steps_total", run="it")))
         assert {"0": float(steps), "1": float(steps)} == {
             dict(k)["rank"]: v
-            for k, v in select(restarted.scrape(), "torchpulse_optimizer_steps_total", run="it").items()}
+            for k, v in select(restarted.scrape(), "torchpulse_optimizer_steps_total", run="it").items()
+        }
     finally:
         restarted.stop()
 
@@ -128,8 +174,13 @@ def test_daemon_killed_and_restarted_mid_job_loses_no_steps(daemon: DaemonProces
 def test_status_lists_runs_ranks_and_counts(daemon: DaemonProcess) -> None:
     """`torchpulse status` prints the run, both ranks (exited: they ended normally), events received and uptime."""
     assert [(0, ""), (0, "")] == _finish(_job(daemon, "--steps", "3", run="statusrun"))
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket", str(daemon.socket_path)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "status", "--socket", str(daemon.socket_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert 0 == result.returncode
     lines = result.stdout.splitlines()
     assert lines[0].startswith("torchpulse daemon 0.1.0 (pid ")
@@ -140,8 +191,13 @@ def test_status_lists_runs_ranks_and_counts(daemon: DaemonProcess) -> None:
 def test_status_without_daemon_fails_clearly(tmp_path: Path) -> None:
     """`torchpulse status` with no daemon exits 1 with one line naming the socket."""
     sock = tmp_path / "none.sock"
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "status", "--socket", str(sock)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "status", "--socket", str(sock)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert (1, 1) == (result.returncode, len(result.stderr.splitlines()))
     assert str(sock) in result.stderr
 
@@ -151,9 +207,17 @@ def test_bootstrap_chains_to_an_existing_sitecustomize(daemon: DaemonProcess, tm
     site = tmp_path / "usersite"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
-    code = ("import os, torch, torchpulse.probes.api as api\n"
-            "print(os.environ.get('USER_SITECUSTOMIZE_RAN'), api.current_agent() is not None)")
+    code = (
+        "import os, torch, torchpulse.probes.api as api\n"
+        "print(os.environ.get('USER_SITECUSTOMIZE_RAN'), api.current_agent() is not None)"
+    )
     env = daemon.env(PYTHONPATH=f"{site}{os.pathsep}{REPO}")
-    result = subprocess.run([sys.executable, "-m", "torchpulse", "run", "--", sys.executable, "-c", code],
-                            env=env, capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert ("1 True", "") == (result.stdout.strip(), result.stderr)

@@ -24,12 +24,19 @@ print(agent is not None, agent.config.socket_path if agent else None, agent.iden
 
 
 def test_the_injected_script_attaches_deletes_itself_and_leaves_the_main_namespace_alone(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # a relative --socket is resolved here, not in the target's directory
     path = write_script("rel.sock", "remote-run")
     # The target is in another directory, with torchpulse not on its path: the script adds it.
-    out = subprocess.run([sys.executable, "-c", TARGET, path], cwd="/", capture_output=True, text=True,
-                         timeout=120, env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", TARGET, path],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"True {tmp_path / 'rel.sock'} remote-run the job's own binding False" == out.stdout.strip()
     assert "remote attach failed" not in out.stderr

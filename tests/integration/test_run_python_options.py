@@ -14,17 +14,20 @@ WARNING = "torchpulse: warning: the agent will not attach: "
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchpulse", "run", "--", *cmd], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "torchpulse", "run", "--", *cmd], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize(("options", "why"), [
-    (["-I"], "isolated mode (-I) ignores PYTHONPATH"),
-    (["-E"], "-E ignores PYTHONPATH"),
-    (["-u", "-S"], "-S skips the site module, which loads the bootstrap"),
-])
-def test_options_that_keep_the_bootstrap_out_are_reported_and_the_job_still_runs(options: list[str],
-                                                                                 why: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "why"),
+    [
+        (["-I"], "isolated mode (-I) ignores PYTHONPATH"),
+        (["-E"], "-E ignores PYTHONPATH"),
+        (["-u", "-S"], "-S skips the site module, which loads the bootstrap"),
+    ],
+)
+def test_options_that_keep_the_bootstrap_out_are_reported_and_the_job_still_runs(options: list[str], why: str) -> None:
     """The job runs as asked; one line on stderr says why it gets no agent, instead of a silently missing run."""
     result = _run(sys.executable, *options, "-c", "print('job ran')")
     assert (0, "job ran\n", f"{WARNING}{why}\n") == (result.returncode, result.stdout, result.stderr)
@@ -36,17 +39,20 @@ def test_options_of_the_job_itself_are_not_pythons() -> None:
     assert (0, "['-I', '-S']\n", "") == (result.returncode, result.stdout, result.stderr)
 
 
-@pytest.mark.parametrize(("cmd", "flags"), [
-    (["python3", "-IS", "train.py"], {"I", "S"}),
-    (["/usr/bin/python3.11", "-bEu", "-c", "x"], {"b", "E", "u"}),
-    (["python", "-W", "ignore", "-X", "dev", "-I", "-m", "m"], {"I"}),
-    (["python3.13t", "-Wignore", "-Xfrozen_modules=off", "-s", "t.py", "-I"], {"s"}),
-    (["python", "--check-hash-based-pycs", "never", "-E", "t.py"], {"E"}),
-    (["python", "-cI"], set()),
-    (["python", "-mI"], set()),
-    (["python", "-", "-I"], set()),
-    (["torchrun", "-I"], set()),
-    (["pythonic-tool", "-I"], set()),
-])
+@pytest.mark.parametrize(
+    ("cmd", "flags"),
+    [
+        (["python3", "-IS", "train.py"], {"I", "S"}),
+        (["/usr/bin/python3.11", "-bEu", "-c", "x"], {"b", "E", "u"}),
+        (["python", "-W", "ignore", "-X", "dev", "-I", "-m", "m"], {"I"}),
+        (["python3.13t", "-Wignore", "-Xfrozen_modules=off", "-s", "t.py", "-I"], {"s"}),
+        (["python", "--check-hash-based-pycs", "never", "-E", "t.py"], {"E"}),
+        (["python", "-cI"], set()),
+        (["python", "-mI"], set()),
+        (["python", "-", "-I"], set()),
+        (["torchrun", "-I"], set()),
+        (["pythonic-tool", "-I"], set()),
+    ],
+)
 def test_python_flags_reads_only_the_interpreters_own_options(cmd: list[str], flags: set[str]) -> None:
     assert flags == python_flags(cmd)

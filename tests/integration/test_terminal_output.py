@@ -45,8 +45,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         process.stop()
 
 
-def _agent(daemon: DaemonProcess, run: str, rank: int, host: str, events: list[LogEvent] | None = None,
-           ) -> socket.socket:
+def _agent(
+    daemon: DaemonProcess,
+    run: str,
+    rank: int,
+    host: str,
+    events: list[LogEvent] | None = None,
+) -> socket.socket:
     """A connection speaking the agents' protocol: a hello, then one batch with a step count and `events`."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
@@ -58,8 +63,13 @@ def _agent(daemon: DaemonProcess, run: str, rank: int, host: str, events: list[L
 
 
 def _torchpulse(*args: str, socket_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "torchpulse", *args, "--socket", str(socket_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [PYTHON, "-m", "torchpulse", *args, "--socket", str(socket_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_an_agents_log_event_reaches_the_console_log_escaped(daemon: DaemonProcess) -> None:
@@ -71,8 +81,10 @@ def test_an_agents_log_event_reaches_the_console_log_escaped(daemon: DaemonProce
     finally:
         sock.close()
     line = next(line for line in daemon.log_path.read_text().splitlines() if "evil" in line)
-    expected = ("[warning  ] evil\\x1b[2J                    agent_ts=1.5 k\\x1b[2J='\\x1b]52;c;aGkx\\x07' rank=0 "
-                "run=console-run")
+    expected = (
+        "[warning  ] evil\\x1b[2J                    agent_ts=1.5 k\\x1b[2J='\\x1b]52;c;aGkx\\x07' rank=0 "
+        "run=console-run"
+    )
     assert expected == line.split(" ", 1)[1]
 
 
@@ -81,9 +93,11 @@ def test_status_aligns_wide_host_names_and_escapes_them(daemon: DaemonProcess) -
     hosts = ["中文主机", "😀😀x", f"n{SCREEN_CLEAR}-very-long-host-name"]
     socks = [_agent(daemon, "wide", rank, host) for rank, host in enumerate(hosts)]
     try:
+
         def counted() -> bool:
             runs = [run for run in request_status(daemon.socket_path).runs if run.run == "wide"]
             return len(runs) == 1 and [1, 1, 1] == [rank.events_received for rank in runs[0].ranks]
+
         wait_for(counted)
         out = _torchpulse("status", socket_path=daemon.socket_path).stdout.splitlines()
     finally:
@@ -97,15 +111,17 @@ def test_status_aligns_wide_host_names_and_escapes_them(daemon: DaemonProcess) -
         f"     0  connected    {pid:>8}  中文主机                  1        0",
         f"     1  connected    {pid:>8}  😀😀x                     1        0",
         f"     2  connected    {pid:>8}  n\\x1b[2J-very-lo          1        0",
-    ] == out[start:start + 5]
+    ] == out[start : start + 5]
 
 
 def test_the_demo_summary_escapes_and_aligns_run_labels(daemon: DaemonProcess) -> None:
     """The per-rank table read back from /metrics escapes a run label's control and aligns a wide one."""
     socks = [_agent(daemon, run, 0, "h") for run in (f"s{SCREEN_CLEAR}", "训练")]
     try:
+
         def rows() -> list[RankSummary]:
             return [row for row in summarize(daemon.scrape_text()) if row.run in (f"s{SCREEN_CLEAR}", "训练")]
+
         wait_for(lambda: [3.0, 3.0] == [row.steps for row in rows()])
         table = format_table(rows())
     finally:
@@ -144,8 +160,11 @@ def test_what_a_peer_on_the_socket_says_is_escaped(tmp_path: Path) -> None:
     frames = [
         encode(ErrorReply("not_authorized", f"no{CLIPBOARD_WRITE}")),
         HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body)) + body,
-        encode(StatusReply(f"9{SCREEN_CLEAR}", 1.0, 7, 0, {}, [RunStatus("r", 1, False, [
-            RankStatus(0, 8, "h", True, 1, 0, 0.0)])])),
+        encode(
+            StatusReply(
+                f"9{SCREEN_CLEAR}", 1.0, 7, 0, {}, [RunStatus("r", 1, False, [RankStatus(0, 8, "h", True, 1, 0, 0.0)])]
+            )
+        ),
     ]
     path = tmp_path / "peer.sock"
     thread = _serve_once(path, frames)
@@ -154,7 +173,13 @@ def test_what_a_peer_on_the_socket_says_is_escaped(tmp_path: Path) -> None:
     version = _torchpulse("status", socket_path=path)
     thread.join(10)
     assert (1, "", "torchpulse: refused: no\\x1b]52;c;aGkx\\x07\n") == (
-        refused.returncode, refused.stdout, refused.stderr)
-    assert (1, "", f"torchpulse: unexpected answer from {path}: undecodable frame: Invalid value '\\x1b[2Jx' - at "
-            "`$.type`\n") == (garbled.returncode, garbled.stdout, garbled.stderr)
+        refused.returncode,
+        refused.stdout,
+        refused.stderr,
+    )
+    assert (
+        1,
+        "",
+        f"torchpulse: unexpected answer from {path}: undecodable frame: Invalid value '\\x1b[2Jx' - at `$.type`\n",
+    ) == (garbled.returncode, garbled.stdout, garbled.stderr)
     assert (0, "torchpulse daemon 9\\x1b[2J (pid 7), up 1s") == (version.returncode, version.stdout.splitlines()[0])

@@ -23,8 +23,7 @@ def autograd_agent(**options: str) -> Iterator[Any]:
 
 def tiny_transformer(d_model: int = 32, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model, 2, dim_feedforward=2 * d_model,
-                                             dropout=0.0, batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(d_model, 2, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True)
     return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
 

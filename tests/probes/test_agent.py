@@ -41,12 +41,16 @@ def test_optimizer_probe_counts_steps_lr_and_state() -> None:
         agent.drain()
         store = agent.store
         assert 5.0 == store.value("optimizer_steps_total", ("Adam#0",))
-        assert (0.1, 0.5) == (store.value("optimizer_learning_rate", ("Adam#0", "0")),
-                              store.value("optimizer_learning_rate", ("Adam#0", "1")))
+        assert (0.1, 0.5) == (
+            store.value("optimizer_learning_rate", ("Adam#0", "0")),
+            store.value("optimizer_learning_rate", ("Adam#0", "1")),
+        )
         # exp_avg + exp_avg_sq in fp32 for 15 elements, plus two scalar fp32 step tensors.
         assert float(2 * 15 * 4 + 2 * 4) == store.value("optimizer_state_bytes", ("Adam#0",))
-        assert (2.0, 15.0) == (store.value("optimizer_parameters", ("Adam#0",)),
-                               store.value("optimizer_parameter_elements", ("Adam#0",)))
+        assert (2.0, 15.0) == (
+            store.value("optimizer_parameters", ("Adam#0",)),
+            store.value("optimizer_parameter_elements", ("Adam#0",)),
+        )
     finally:
         agent.shutdown()
 
@@ -63,9 +67,11 @@ def test_a_param_group_added_later_is_measured_at_the_next_step() -> None:
         optimizer.add_param_group({"params": head.parameters(), "lr": 0.01})
         _train(optimizer, model, 1)
         agent.drain()
-        assert (4.0, 15.0 + 8.0, 0.01) == (agent.store.value("optimizer_parameters", ("SGD#0",)),
-                                           agent.store.value("optimizer_parameter_elements", ("SGD#0",)),
-                                           agent.store.value("optimizer_learning_rate", ("SGD#0", "1")))
+        assert (4.0, 15.0 + 8.0, 0.01) == (
+            agent.store.value("optimizer_parameters", ("SGD#0",)),
+            agent.store.value("optimizer_parameter_elements", ("SGD#0",)),
+            agent.store.value("optimizer_learning_rate", ("SGD#0", "1")),
+        )
     finally:
         agent.shutdown()
 
@@ -91,8 +97,10 @@ def test_a_step_that_raises_is_counted_as_an_error_not_a_step() -> None:
         optimizer.explode = False
         optimizer.step()
         agent.drain()
-        assert (1.0, 1.0) == (agent.store.value("optimizer_steps_total", ("Exploding#0",)),
-                              agent.store.value("optimizer_step_errors_total", ("Exploding#0",)))
+        assert (1.0, 1.0) == (
+            agent.store.value("optimizer_steps_total", ("Exploding#0",)),
+            agent.store.value("optimizer_step_errors_total", ("Exploding#0",)),
+        )
         # A step that raised last must not keep the optimizer (and its state) alive: OOM-retry loops
         # drop the optimizer and build a smaller one.
         optimizer.explode = True
@@ -115,8 +123,10 @@ def test_full_buffer_drops_and_counts_instead_of_blocking() -> None:
         agent.drain()  # the probe-enabled record
         _train(optimizer, model, 5)
         agent.drain()
-        assert (3.0, 2.0) == (agent.store.value("optimizer_steps_total", ("SGD#0",)),
-                              agent.store.value("agent_events_dropped_total", ("buffer_full",)))
+        assert (3.0, 2.0) == (
+            agent.store.value("optimizer_steps_total", ("SGD#0",)),
+            agent.store.value("agent_events_dropped_total", ("buffer_full",)),
+        )
     finally:
         agent.shutdown()
 
@@ -142,7 +152,10 @@ def test_a_probe_bug_disables_the_probe_once_and_never_reaches_the_job(
         # The daemon's log gets it too, with the frame that raised: operators read the journal.
         [event] = [e for e in agent._events if e.event.startswith("probe failed")]
         assert ("error", "optimizer", "ZeroDivisionError: division by zero") == (
-            event.level, event.fields["probe"], event.fields["error"])
+            event.level,
+            event.fields["probe"],
+            event.fields["error"],
+        )
         assert "1 / 0" in str(event.fields["traceback"])
     finally:
         agent.shutdown()
@@ -173,13 +186,20 @@ def test_install_twice_is_a_no_op_with_a_warning(caplog: pytest.LogCaptureFixtur
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
 
 
 def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> None:
     """After fork the child's hooks are inert and attach() there makes a fresh agent."""
-    result = _run("""
+    result = _run(
+        """
         import os, torch, torchpulse
         from torchpulse.probes.api import current_agent
         parent = torchpulse.attach()
@@ -191,13 +211,16 @@ def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> No
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), current_agent() is parent)
-        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+        """,
+        TORCHPULSE_SOCKET=str(tmp_path / "none.sock"),
+    )
     assert "0 True" == result.stdout.strip(), result.stderr
 
 
 def test_attach_twice_warns_and_detach_removes_every_hook(tmp_path: Any) -> None:
     """attach() twice returns the same agent with a warning; detach() leaves no hook behind."""
-    result = _run("""
+    result = _run(
+        """
         import logging, torch, torchpulse
         from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -206,7 +229,9 @@ def test_attach_twice_warns_and_detach_removes_every_hook(tmp_path: Any) -> None
         second = torchpulse.attach()
         torchpulse.detach()
         print(first is second, len(pre) - n)
-        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+        """,
+        TORCHPULSE_SOCKET=str(tmp_path / "none.sock"),
+    )
     assert "True 0" == result.stdout.strip()
     assert "already attached" in result.stderr
 
@@ -225,30 +250,36 @@ def test_a_subclass_calling_super_step_counts_one_step() -> None:
     try:
         _train(optimizer, model, 3)
         agent.drain()
-        assert (3.0, 0.0) == (agent.store.value("optimizer_steps_total", ("Clipped#0",)),
-                               agent.store.value("optimizer_step_errors_total", ("Clipped#0",)))
+        assert (3.0, 0.0) == (
+            agent.store.value("optimizer_steps_total", ("Clipped#0",)),
+            agent.store.value("optimizer_step_errors_total", ("Clipped#0",)),
+        )
     finally:
         agent.shutdown()
 
 
 def test_attach_on_a_torch_older_than_supported_is_a_no_op_with_one_warning(tmp_path: Any) -> None:
     """On torch < 2.4 attach() installs nothing, returns None and says why in one line."""
-    result = _run("""
+    result = _run(
+        """
         import torch, torchpulse
         from torch.optim.optimizer import _global_optimizer_pre_hooks as pre
         torch.__version__ = "2.3.1"
         print(torchpulse.attach(), len(pre))
-        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+        """,
+        TORCHPULSE_SOCKET=str(tmp_path / "none.sock"),
+    )
     assert "None 0" == result.stdout.strip()
     assert ["torchpulse: torch too old for torchpulse probes; not attaching (torch_version='2.3.1')"] == (
-        result.stderr.splitlines())
+        result.stderr.splitlines()
+    )
 
 
-def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_descriptors(
-        tmp_path: Any) -> None:
+def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_descriptors(tmp_path: Any) -> None:
     """EMFILE while connecting is a retry, not a dead agent thread; after detach, no byte reaches a file
     that took over the agent's old descriptor numbers."""
-    result = _run(f"""
+    result = _run(
+        f"""
         import os, resource, time, torch, torchpulse
         agent = torchpulse.attach(probes=["optimizer"], flush_interval=0.02, backoff_initial=0.02,
                                   backoff_max=0.05)
@@ -274,7 +305,9 @@ def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_
         for f in files:
             f.close()
         print(alive, [os.path.getsize(f.name) for f in files])
-        """, TORCHPULSE_SOCKET=str(tmp_path / "none.sock"))
+        """,
+        TORCHPULSE_SOCKET=str(tmp_path / "none.sock"),
+    )
     assert "True [0, 0, 0, 0]" == result.stdout.strip(), result.stderr
 
 
@@ -296,8 +329,15 @@ def test_undecodable_bytes_in_argv_and_log_fields_still_reach_the_daemon(tmp_pat
             torchpulse.detach()
             """)
         env = {**os.environ, "TORCHPULSE_SOCKET": str(daemon.socket_path), "TORCHPULSE_RUN": "latin"}
-        result = subprocess.run([sys.executable, "-c", script, b"/data/caf\xe9".decode("utf-8", "surrogateescape")],
-                                capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False)
+        result = subprocess.run(
+            [sys.executable, "-c", script, b"/data/caf\xe9".decode("utf-8", "surrogateescape")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=120,
+            check=False,
+        )
         assert "True True" == result.stdout.strip(), result.stderr
         wait_for(lambda: any(e.get("event") == "odd.field" for e in daemon.log_lines()))
         event = next(e for e in daemon.log_lines() if e.get("event") == "odd.field")
@@ -349,8 +389,10 @@ def test_optimizers_built_over_and_over_reuse_their_labels() -> None:
         _train(first, model, 1)
         _train(second, model, 1)
         agent.drain()
-        assert (51.0, 1.0) == (agent.store.value("optimizer_steps_total", ("SGD#0",)),
-                               agent.store.value("optimizer_steps_total", ("SGD#1",)))
+        assert (51.0, 1.0) == (
+            agent.store.value("optimizer_steps_total", ("SGD#0",)),
+            agent.store.value("optimizer_steps_total", ("SGD#1",)),
+        )
         assert handles == len(agent.probes["optimizer"]._handles)
     finally:
         agent.shutdown()

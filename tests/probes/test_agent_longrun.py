@@ -50,13 +50,19 @@ torchpulse.detach()
 
 
 def _job(daemon: DaemonProcess, source: str, run: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", source, *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=daemon.env(TORCHPULSE_RUN=run, OMP_NUM_THREADS="1"))
+    return subprocess.Popen(
+        [sys.executable, "-c", source, *args],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=daemon.env(TORCHPULSE_RUN=run, OMP_NUM_THREADS="1"),
+    )
 
 
 def test_a_batch_larger_than_a_frame_is_sent_in_halves_and_an_item_larger_than_a_frame_is_counted(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Every one of 2,000 large events reaches the daemon's log over the one connection (no reset, no
     stderr line); the single event larger than a frame is dropped and counted as `oversized`."""
     daemon = start_daemon(tmp_path)
@@ -73,8 +79,7 @@ def test_a_batch_larger_than_a_frame_is_sent_in_halves_and_an_item_larger_than_a
         daemon.stop()
 
 
-def test_a_daemon_restarted_again_and_again_costs_the_job_a_bounded_number_of_stderr_lines(
-        tmp_path: Path) -> None:
+def test_a_daemon_restarted_again_and_again_costs_the_job_a_bounded_number_of_stderr_lines(tmp_path: Path) -> None:
     """Five daemon restarts under one job: the first three outages (transport.FREE_UNREACHABLE_NOTES) are
     each one line and a reconnect line, the later ones none; the job reconnects after every one and ends
     with exit status 0."""

@@ -211,6 +211,7 @@ def test_the_job_sees_its_own_exceptions_and_hooks_are_removed() -> None:
 
 def test_gradients_are_bitwise_identical_with_the_probe() -> None:
     """Timing and logging every pass change no gradient."""
+
     def grads() -> list[torch.Tensor]:
         model = tiny_transformer()
         model(torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))).mean().backward()
@@ -222,8 +223,9 @@ def test_gradients_are_bitwise_identical_with_the_probe() -> None:
     assert all(torch.equal(e, a) for e, a in zip(expected, actual, strict=True))
 
 
-@pytest.mark.parametrize("options", [{"autograd_sample_every": "-1"}, {"autograd_nonfinite": "maybe"},
-                                     {"autograd_top_nodes": "0"}])
+@pytest.mark.parametrize(
+    "options", [{"autograd_sample_every": "-1"}, {"autograd_nonfinite": "maybe"}, {"autograd_top_nodes": "0"}]
+)
 def test_invalid_options_are_refused(options: dict[str, str]) -> None:
     """Settings are validated when the probe is built (attach() then skips it with a warning)."""
     with pytest.raises(ValueError):

@@ -53,8 +53,9 @@ def test_job_passes_nodes_and_nonfinite_reach_the_daemon(daemon: DaemonProcess) 
     assert [1.0] == list(select(samples, "torchpulse_grad_nonfinite_passes_total", **run).values())
     # The passes after the skipped step were clean again.
     assert [0.0] == list(select(samples, "torchpulse_grad_nonfinite_parameters", **run).values())
-    assert [20.0] == list(select(samples, "torchpulse_autograd_node_calls_total",
-                                 node="AccumulateGrad", **run).values())  # 4 params x 5
+    assert [20.0] == list(
+        select(samples, "torchpulse_autograd_node_calls_total", node="AccumulateGrad", **run).values()
+    )  # 4 params x 5
     assert select(samples, "torchpulse_backward_duration_seconds_count", kind="backward", **run)
     [event] = [line for line in daemon.log_lines() if line.get("event") == "autograd.nonfinite_gradients"]
     assert ("2.weight", 1, 2) == (event["names"], event["parameters"], event["pass_index"])

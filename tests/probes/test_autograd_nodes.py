@@ -161,7 +161,6 @@ def test_memory_stays_flat_over_a_thousand_steps() -> None:
         assert 550 == agent.store.value("autograd_sampled_passes_total", ())
 
 
-
 def test_accumulate_grad_nodes_report_sequence_number_minus_one() -> None:
     """torch gives AccumulateGrad UINT64_MAX for "no sequence number", which a JSON reader (doubles)
     turns into another number: it is reported as -1, every other node by its real number."""

@@ -38,8 +38,15 @@ def test_a_chain_deeper_than_the_walk_trains_on_and_is_walked_to_the_limit_only(
             calls = len(sample.slowest)
             print(calls, len(events(agent, "autograd.graph_too_deep")), weight.grad[0].item())
     """)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
     assert (0, f"{MAX_GRAPH_DEPTH} 1 2.0") == (done.returncode, done.stdout.strip()), done.stderr[-2000:]
 
 
@@ -80,8 +87,12 @@ def test_two_threads_training_one_model_each_time_only_their_own_pass() -> None:
             seconds = node_values(agent, "autograd_node_seconds_total")
             histogram = agent.store._histograms[("backward_duration_seconds", ("backward",))]
             assert 40 == passes(agent, "backward") == agent.store.value("autograd_sampled_passes_total", ())
-            assert {"AccumulateGrad": 40 * 20, "AddmmBackward0": 40 * 10, "TBackward0": 40 * 10,
-                    "SumBackward0": 40} == calls
+            assert {
+                "AccumulateGrad": 40 * 20,
+                "AddmmBackward0": 40 * 10,
+                "TBackward0": 40 * 10,
+                "SumBackward0": 40,
+            } == calls
             assert sum(seconds.values()) <= histogram.total
     finally:
         torch.set_num_threads(threads)
@@ -110,9 +121,14 @@ def test_a_strided_nested_tensor_gradient_is_logged_and_leaves_the_probe_on() ->
         torch.nested.to_padded_tensor(nested * 2, 0.0).sum().backward()
         agent.drain()
         logged = [(e["node"], e["grad_outputs"]) for e in events(agent, "autograd.node")]
-        assert [("SumBackward0", "[f32[]]"), ("ToPaddedTensorBackward0", "[f32[2, 4, 3]]"),
-                ("MulBackward0", "[f32[2, ?, 3]]"), ("NestedTensorFromTensorListBackward0", "[f32[2, ?, 3]]"),
-                ("AccumulateGrad", "[f32[2, 3]]"), ("AccumulateGrad", "[f32[4, 3]]")] == logged
+        assert [
+            ("SumBackward0", "[f32[]]"),
+            ("ToPaddedTensorBackward0", "[f32[2, 4, 3]]"),
+            ("MulBackward0", "[f32[2, ?, 3]]"),
+            ("NestedTensorFromTensorListBackward0", "[f32[2, ?, 3]]"),
+            ("AccumulateGrad", "[f32[2, 3]]"),
+            ("AccumulateGrad", "[f32[4, 3]]"),
+        ] == logged
         assert agent.probes["autograd"].enabled
         assert b.grad is not None and torch.equal(torch.full((4, 3), 2.0), b.grad)
 
@@ -137,4 +153,8 @@ def test_a_logged_pass_larger_than_one_flush_is_delivered_whole_over_several() -
         dropped = agent.store.value("agent_events_dropped_total", ("events_overflow",))
         nodes = [event for flush in flushes for event in flush if event == "autograd.node"]
         assert ([limit, 3_002 - limit], "job.own_event", 3_001, 0) == (
-            [len(f) for f in flushes], flushes[0][0], len(nodes), dropped)
+            [len(f) for f in flushes],
+            flushes[0][0],
+            len(nodes),
+            dropped,
+        )

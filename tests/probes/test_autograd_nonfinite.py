@@ -43,8 +43,7 @@ def test_nan_in_one_gradient_is_counted_once_and_named(grad_norm: str) -> None:
         assert 1 == agent.store.value("grad_nonfinite_passes_total", ())
         assert 0 == agent.store.value("grad_nonfinite_parameters", ())  # the last passes were clean
         [event] = events(agent, "autograd.nonfinite_gradients")
-        assert (NAN_STEP, 1, "layers.1.linear1.weight") == (
-            event["pass_index"], event["parameters"], event["names"])
+        assert (NAN_STEP, 1, "layers.1.linear1.weight") == (event["pass_index"], event["parameters"], event["names"])
         if grad_norm == "1":
             assert math.isfinite(agent.store.value("grad_norm", ()))  # the last pass was clean
 
@@ -60,8 +59,12 @@ def test_the_parameter_gauge_returns_to_zero_after_a_clean_pass() -> None:
             (model(torch.ones(1, 4)) * scale).sum().backward()
             model.zero_grad(set_to_none=True)
             agent.drain()
-            values.append((agent.store.value("grad_nonfinite_passes_total", ()),
-                           agent.store.value("grad_nonfinite_parameters", ())))
+            values.append(
+                (
+                    agent.store.value("grad_nonfinite_passes_total", ()),
+                    agent.store.value("grad_nonfinite_parameters", ()),
+                )
+            )
         assert [(0, 0), (1, 2), (1, 0)] == values
 
 
@@ -232,8 +235,10 @@ def test_sparse_gradients_are_checked_by_their_values() -> None:
         embedding.zero_grad(set_to_none=True)
         embedding(torch.tensor([1, 2])).sum().backward()
         agent.drain()
-        assert (1, 1) == (agent.store.value("grad_nonfinite_passes_total", ()),
-                          agent.store.value("grad_nonfinite_parameters", ()))
+        assert (1, 1) == (
+            agent.store.value("grad_nonfinite_passes_total", ()),
+            agent.store.value("grad_nonfinite_parameters", ()),
+        )
         assert ["weight"] == [e["names"] for e in events(agent, "autograd.nonfinite_gradients")]
 
 
@@ -288,8 +293,10 @@ def test_a_rebuilt_model_is_checked_from_its_first_pass() -> None:
         model.weight.register_hook(lambda g: g * math.nan)
         model(torch.ones(1, 4)).sum().backward()
         agent.drain()
-        assert (1, 1) == (agent.store.value("grad_nonfinite_passes_total", ()),
-                          agent.store.value("grad_nonfinite_parameters", ()))
+        assert (1, 1) == (
+            agent.store.value("grad_nonfinite_passes_total", ()),
+            agent.store.value("grad_nonfinite_parameters", ()),
+        )
 
 
 def test_a_gradient_edge_output_does_not_switch_the_probe_off() -> None:
@@ -320,8 +327,9 @@ def test_a_new_parameter_at_a_dead_parameters_id_is_tracked(monkeypatch: Any) ->
     dead_id = id(old)
     del old
     new = torch.nn.Parameter(torch.zeros(2))
-    monkeypatch.setattr(autograd_nonfinite, "id", lambda obj: dead_id if obj is new else builtins.id(obj),
-                        raising=False)
+    monkeypatch.setattr(
+        autograd_nonfinite, "id", lambda obj: dead_id if obj is new else builtins.id(obj), raising=False
+    )
     check.track(new)
     new.grad = torch.tensor([1.0, math.nan])
     check.launch(0, "backward")

@@ -15,8 +15,12 @@ from tests.probes.autograd_support import autograd_agent, events, tiny_transform
 from torchpulse.probes.autograd_nonfinite import GradCheck
 
 
-def _run(agent: Any, poison: dict[int, list[str]], steps: int = 8,
-         during: Callable[[int, torch.nn.Module], None] | None = None) -> list[tuple[int, str]]:
+def _run(
+    agent: Any,
+    poison: dict[int, list[str]],
+    steps: int = 8,
+    during: Callable[[int, torch.nn.Module], None] | None = None,
+) -> list[tuple[int, str]]:
     """Train a tiny transformer; at step k, the named parameters' gradients turn NaN (or Inf)."""
     model = tiny_transformer()
     named = dict(model.named_parameters())
@@ -25,8 +29,10 @@ def _run(agent: Any, poison: dict[int, list[str]], steps: int = 8,
     for step in range(steps):
         if during is not None:
             during(step, model)
-        handles = [named[name].register_hook(lambda g, i=i: g * (math.nan if i % 2 else math.inf))
-                   for i, name in enumerate(poison.get(step, []))]
+        handles = [
+            named[name].register_hook(lambda g, i=i: g * (math.nan if i % 2 else math.inf))
+            for i, name in enumerate(poison.get(step, []))
+        ]
         model(x).square().mean().backward()
         for handle in handles:
             handle.remove()
@@ -35,8 +41,12 @@ def _run(agent: Any, poison: dict[int, list[str]], steps: int = 8,
     return sorted((e["pass_index"], e["names"]) for e in events(agent, "autograd.nonfinite_gradients"))
 
 
-POISON = {2: ["layers.0.linear1.weight"], 4: ["layers.1.self_attn.in_proj_weight", "layers.0.norm2.bias"],
-          5: ["layers.1.linear2.bias"], 7: ["layers.0.self_attn.out_proj.weight"]}
+POISON = {
+    2: ["layers.0.linear1.weight"],
+    4: ["layers.1.self_attn.in_proj_weight", "layers.0.norm2.bias"],
+    5: ["layers.1.linear2.bias"],
+    7: ["layers.0.self_attn.out_proj.weight"],
+}
 
 
 def test_each_non_finite_pass_names_exactly_its_bad_parameters() -> None:
@@ -79,7 +89,8 @@ def test_a_model_cast_in_place_is_still_read_right() -> None:
             optimizer.zero_grad(set_to_none=True)
         agent.drain()
         assert [(4, "layers.1.linear1.weight")] == [
-            (e["pass_index"], e["names"]) for e in events(agent, "autograd.nonfinite_gradients")]
+            (e["pass_index"], e["names"]) for e in events(agent, "autograd.nonfinite_gradients")
+        ]
 
 
 def test_compiled_autograd_passes_are_checked() -> None:

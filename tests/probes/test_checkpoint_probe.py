@@ -42,13 +42,17 @@ def _events(agent: Any) -> list[tuple[str, str, dict[str, object]]]:
 def _failures(agent: Any) -> dict[tuple[str, ...], float]:
     """Every checkpoint_save_failures_total series in the agent's store, by its (api, error) labels."""
     agent.drain()
-    return {labels: value for (name, labels), value in agent.store._values.items()
-            if name == "checkpoint_save_failures_total"}
+    return {
+        labels: value
+        for (name, labels), value in agent.store._values.items()
+        if name == "checkpoint_save_failures_total"
+    }
 
 
 def _saves(agent: Any) -> int:
-    return sum(sum(h.counts) for (name, _), h in agent.store._histograms.items()
-               if name == "checkpoint_save_duration_seconds")
+    return sum(
+        sum(h.counts) for (name, _), h in agent.store._histograms.items() if name == "checkpoint_save_duration_seconds"
+    )
 
 
 @pytest.fixture
@@ -127,7 +131,8 @@ def test_a_failing_save_raises_its_own_exception_and_announces_nothing(agent: An
 
 
 def test_a_save_that_fails_for_real_is_counted_once_and_the_job_gets_the_very_same_exception(
-        spied: tuple[Any, list[BaseException]], tmp_path: Path) -> None:
+    spied: tuple[Any, list[BaseException]], tmp_path: Path
+) -> None:
     """A successful save counts no failure; a real dcp.save into a path under a regular file raises torch's own
     CheckpointException object to the caller, counted once (api=save) under its cause and logged."""
     agent, raised = spied
@@ -153,7 +158,13 @@ def test_a_failed_save_is_logged_as_a_warning_with_path_api_error_and_cause(agen
         dcp.save({"w": torch.ones(2)}, checkpoint_id=target, no_dist=True)
     [(level, event, fields)] = _events(agent)
     assert ("warning", "checkpoint save failed", str(target), "save", "CheckpointException", "NotADirectoryError") == (
-        level, event, fields["path"], fields["api"], fields["error"], fields["cause"])
+        level,
+        event,
+        fields["path"],
+        fields["api"],
+        fields["error"],
+        fields["cause"],
+    )
     message = str(fields["message"])
     assert message.startswith("1 rank(s) failed, the first with NotADirectoryError: [Errno 20] Not a directory")
     assert len(message) <= 500
@@ -198,8 +209,12 @@ def test_error_labels_are_cut_to_64_characters_and_fold_into_other_after_8_names
                 raise self.raises("quota exceeded")
 
         with pytest.raises(error):
-            dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck", storage_writer=Refusing(tmp_path / "ck"),
-                     no_dist=True)
+            dcp.save(
+                {"w": torch.ones(2)},
+                checkpoint_id=tmp_path / "ck",
+                storage_writer=Refusing(tmp_path / "ck"),
+                no_dist=True,
+            )
     expected = {("save", label): 1.0 for label in ["E" * 64, *(f"Error{i}" for i in range(1, 8)), "other"]}
     assert expected == _failures(agent)
     assert names == [fields["error"] for _, _, fields in _events(agent)]
@@ -244,7 +259,10 @@ def test_uninstall_restores_both_module_attributes() -> None:
     wrapped = (dcp.save is saver.save, dcp.save is not ORIGINALS[0], saver.async_save is not ORIGINALS[1])
     agent.shutdown()
     assert ((True, True, True), ORIGINALS, ORIGINALS) == (
-        wrapped, (saver.save, saver.async_save), (dcp.save, dcp.async_save))
+        wrapped,
+        (saver.save, saver.async_save),
+        (dcp.save, dcp.async_save),
+    )
 
 
 def test_storage_writer_path_is_used_without_checkpoint_id(tmp_path: Path) -> None:
@@ -313,9 +331,14 @@ dist.destroy_process_group()
 def test_rank_0_of_the_saving_subgroup_asks_for_validation(tmp_path: Path) -> None:
     """A save on a subgroup without global rank 0 is announced for validation by the subgroup's rank 0."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", SUBGROUP_RANK, str(r), str(tmp_path / "store"), str(tmp_path / "ck")],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"})  # as torchrun sets them
+        subprocess.Popen(
+            [sys.executable, "-c", SUBGROUP_RANK, str(r), str(tmp_path / "store"), str(tmp_path / "ck")],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"},
+        )  # as torchrun sets them
         for r in range(2)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
@@ -344,11 +367,13 @@ def test_every_rank_asks_for_validation_of_its_own_no_dist_save(tmp_path: Path) 
     lands where rank 0 never announces, so rank 1 asks for its validation too."""
     results = run_inline_ranks(NO_DIST_RANK, tmp_path, timeout=120)
     assert [f"[('/rank{r}/ck', True)]" for r in range(2)] == [out.strip() for out, _, _ in results], [
-        err[-2000:] for _, err, _ in results]
+        err[-2000:] for _, err, _ in results
+    ]
 
 
-def test_a_save_without_a_process_group_is_validated_on_any_rank(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
+def test_a_save_without_a_process_group_is_validated_on_any_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """No process group (an srun task array, a job that never calls init_process_group): DCP saves as a single
     process, whatever RANK says, so the save is this process's own checkpoint and asks for validation."""
     monkeypatch.setenv("RANK", "3")

@@ -40,14 +40,16 @@ def _written(under: Path) -> list[str]:
 def _run(code: str, cwd: Path, *args: str) -> str:
     """`python -c CODE ARGS` in a fresh interpreter (one that has not imported torch._dynamo yet); its stdout."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     assert 0 == out.returncode, out.stderr[-3000:]
     return out.stdout.strip()
 
 
-def test_file_urls_are_announced_where_fsspec_wrote_them(agent: Any, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_urls_are_announced_where_fsspec_wrote_them(
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """fsspec keeps `%20` as it is and reads `file://localhost/x` and `file://x` relative to the cwd: each announced
     path is the directory that holds the checkpoint's `.metadata`."""
     monkeypatch.chdir(tmp_path)
@@ -59,7 +61,8 @@ def test_file_urls_are_announced_where_fsspec_wrote_them(agent: Any, tmp_path: P
 
 
 def test_a_dotdot_after_a_symlink_is_announced_where_the_kernel_wrote_and_a_symlinked_path_keeps_its_name(
-        agent: Any, tmp_path: Path) -> None:
+    agent: Any, tmp_path: Path
+) -> None:
     """`link/../ck` leaves the link's target, not the link's directory; `link/ck` is announced as written."""
     (tmp_path / "real" / "deep").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "real" / "deep")
@@ -70,7 +73,8 @@ def test_a_dotdot_after_a_symlink_is_announced_where_the_kernel_wrote_and_a_syml
 
 
 def test_an_empty_checkpoint_id_with_a_storage_writer_is_announced_as_the_writers_path(
-        agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's FileSystemWriter ignores an empty checkpoint_id and writes to its own path: that path is announced,
     not the job's cwd."""
     monkeypatch.chdir(tmp_path)
@@ -79,14 +83,16 @@ def test_an_empty_checkpoint_id_with_a_storage_writer_is_announced_as_the_writer
 
 
 def test_a_jobs_own_distributed_checkpoint_package_is_not_taken_for_torchs(
-        agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A save called from the job's `distributed/checkpoint/` modules is timed and announced like any other."""
     package = tmp_path / "tpjob" / "distributed" / "checkpoint"
     package.mkdir(parents=True)
     (package / "job.py").write_text(
         "import torch, torch.distributed.checkpoint as dcp\n"
         "def save(path):\n"
-        "    dcp.save({'w': torch.ones(2)}, checkpoint_id=path, no_dist=True)\n")
+        "    dcp.save({'w': torch.ones(2)}, checkpoint_id=path, no_dist=True)\n"
+    )
     monkeypatch.syspath_prepend(tmp_path)
     try:
         importlib.import_module("tpjob.distributed.checkpoint.job").save(tmp_path / "ck")
@@ -153,7 +159,8 @@ def test_a_save_in_a_deleted_cwd_raises_torchs_own_exception_and_is_counted(tmp_
 
 
 def test_the_daemon_checks_the_directory_it_will_validate_not_the_one_a_symlink_and_dotdot_lead_to(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """`mine/link/../../etc` resolves into the job's user's tree but the daemon validates `/etc`, normalized
     lexically: the announcement is refused because /etc belongs to root."""
     uid = os.getuid() if os.getuid() != 0 else 4242

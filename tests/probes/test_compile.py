@@ -95,8 +95,14 @@ def scenario() -> Iterator[Scenario]:
     agent.drain()
     with open(HERE) as source:
         break_line = next(i for i, line in enumerate(source, 1) if line.rstrip().endswith("# GRAPH-BREAK-LINE"))
-    yield Scenario(agent, metrics, _delta(before["frames"], "frames"), _delta(before["graph_break"], "graph_break"),
-                   tf.dynamo_counter("inductor", "cudagraph_skips") - skips_before, {"break": break_line})
+    yield Scenario(
+        agent,
+        metrics,
+        _delta(before["frames"], "frames"),
+        _delta(before["graph_break"], "graph_break"),
+        tf.dynamo_counter("inductor", "cudagraph_skips") - skips_before,
+        {"break": break_line},
+    )
     agent.shutdown()
 
 
@@ -110,8 +116,10 @@ def _label(fn: Any) -> str:
 
 def test_frames_match_torch_counters(scenario: Scenario) -> None:
     """ok and failed frames equal Dynamo's counters['frames'] over the same run."""
-    expected = {("ok",): float(scenario.frames["ok"]),
-                ("failed",): float(scenario.frames["total"] - scenario.frames["ok"])}
+    expected = {
+        ("ok",): float(scenario.frames["ok"]),
+        ("failed",): float(scenario.frames["total"] - scenario.frames["ok"]),
+    }
     assert expected == _series(scenario.agent, "compile_frames_total")
 
 
@@ -131,9 +139,17 @@ def test_each_recompile_is_counted_once_with_its_reason(scenario: Scenario) -> N
 
 def test_recompile_limit_hit_is_counted(scenario: Scenario) -> None:
     """The frame that hit the (lowered) recompile limit is counted once under its function."""
-    torch_hits = [m for m in scenario.metrics if is_recompile_limit(
-        m.fail_type, m.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES,
-        tf.RECOMPILE_LIMIT_ERRORS)]
+    torch_hits = [
+        m
+        for m in scenario.metrics
+        if is_recompile_limit(
+            m.fail_type,
+            m.fail_reason,
+            tf.RECOMPILE_LIMIT_MARKERS,
+            tf.RECOMPILE_LIMIT_FAIL_TYPES,
+            tf.RECOMPILE_LIMIT_ERRORS,
+        )
+    ]
     assert 1 == len(torch_hits)
     assert {(_label(limit_fn),): 1.0} == _series(scenario.agent, "recompile_limit_hits_total")
 
@@ -148,14 +164,20 @@ def test_graph_break_is_counted_with_kind_and_line(scenario: Scenario) -> None:
 
 def test_compile_durations_cover_forward_and_lazy_backward(scenario: Scenario) -> None:
     """Every phase of the inductor forward and of its lazily compiled backward was observed."""
-    histograms = {labels[0]: h for (name, labels), h in scenario.agent.store._histograms.items()
-                  if name == "compile_duration_seconds"}
+    histograms = {
+        labels[0]: h
+        for (name, labels), h in scenario.agent.store._histograms.items()
+        if name == "compile_duration_seconds"
+    }
     for phase in ("dynamo", "aot_autograd", "inductor", "aot_autograd_backward", "inductor_backward"):
         assert phase in histograms
     backward = [m for m in scenario.metrics if m.is_forward is False]
     assert len(backward) == sum(histograms["inductor_backward"].counts)
-    forward_frames = [m for m in scenario.metrics if m.is_forward is not False and not m.is_runtime
-                      and m.dynamo_cumulative_compile_time_us is not None]
+    forward_frames = [
+        m
+        for m in scenario.metrics
+        if m.is_forward is not False and not m.is_runtime and m.dynamo_cumulative_compile_time_us is not None
+    ]
     assert len(forward_frames) == sum(histograms["dynamo"].counts)
 
 

@@ -155,7 +155,8 @@ def patterns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Patterns]:
         torch.compile(fn, backend="eager")(torch.ones(3))
     agent.drain()
     graph_breaks = _first_lines("graph_break", before["graph_break"]) + _first_lines(
-        "unimplemented", before["unimplemented"])
+        "unimplemented", before["unimplemented"]
+    )
     yield Patterns(agent, model_files, graph_breaks, _first_lines("frames", before["frames"]))
     agent.shutdown()
 
@@ -163,8 +164,10 @@ def patterns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Patterns]:
 def test_automatic_and_marked_dynamic_shapes_recompile_once_with_the_size_reason(patterns: Patterns) -> None:
     """Automatic dynamic recompiles once (size), a marked dimension never, another rank once (size)."""
     assert {(_label(automatic_fn), "tensor_size"): 1.0, (_label(marked_fn), "tensor_size"): 1.0} == {
-        labels: value for labels, value in _series(patterns.agent, "recompiles_total").items()
-        if labels[0] in (_label(automatic_fn), _label(marked_fn))}
+        labels: value
+        for labels, value in _series(patterns.agent, "recompiles_total").items()
+        if labels[0] in (_label(automatic_fn), _label(marked_fn))
+    }
 
 
 def test_same_method_name_in_two_files_gets_two_labels(patterns: Patterns) -> None:
@@ -179,7 +182,8 @@ def test_compiled_method_attribute_change_is_a_module_attribute_recompile(patter
     label = _label(inspect.unwrap(Scaled.forward))
     assert label.startswith("forward (probes/test_compile_patterns.py:")
     assert {(label, "global_or_module_attribute"): 1.0} == {
-        labels: value for labels, value in _series(patterns.agent, "recompiles_total").items() if labels[0] == label}
+        labels: value for labels, value in _series(patterns.agent, "recompiles_total").items() if labels[0] == label
+    }
 
 
 def test_graph_breaks_have_dynamo_kind_and_user_line(patterns: Patterns) -> None:
@@ -187,8 +191,10 @@ def test_graph_breaks_have_dynamo_kind_and_user_line(patterns: Patterns) -> None
     where = "probes/test_compile_patterns.py"
     expected = {
         ("Failed to trace builtin operator", f"{where}:{_marked_line('PRINT-LINE')}"): 1.0,
-        ("Unsupported Tensor.item() call with capture_scalar_outputs=False", f"{where}:{_marked_line('ITEM-LINE')}"):
-            1.0,
+        (
+            "Unsupported Tensor.item() call with capture_scalar_outputs=False",
+            f"{where}:{_marked_line('ITEM-LINE')}",
+        ): 1.0,
         ("Data-dependent branching", f"{where}:{_marked_line('BRANCH-LINE')}"): 1.0,
         ("Skip calling `torch.compiler.disable()`d function", f"{where}:{_marked_line('DISABLE-LINE')}"): 1.0,
     }
@@ -239,10 +245,28 @@ def test_graph_break_log_turned_on_later_prints_the_full_break(patterns: Pattern
     assert 2.0 == sum(_series(agent, "graph_breaks_total").values())
 
 
-def _compilation(compile_id: str, name: str | None, line: int | None, recompile_reason: str | None = None,
-                 fail_type: str | None = None, fail_reason: str | None = None) -> Compilation:
-    return Compilation(compile_id, name, None if name is None else "/job/train.py", line, True, recompile_reason,
-                       fail_type, fail_reason, None, None, None, None)
+def _compilation(
+    compile_id: str,
+    name: str | None,
+    line: int | None,
+    recompile_reason: str | None = None,
+    fail_type: str | None = None,
+    fail_reason: str | None = None,
+) -> Compilation:
+    return Compilation(
+        compile_id,
+        name,
+        None if name is None else "/job/train.py",
+        line,
+        True,
+        recompile_reason,
+        fail_type,
+        fail_reason,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def test_limit_hit_under_compiled_autograd_names_its_own_frame() -> None:
@@ -255,12 +279,19 @@ def test_limit_hit_under_compiled_autograd_names_its_own_frame() -> None:
     try:
         probe = agent.probes["compile"]
         limit = "Dynamo recompile limit exceeded\n  Explanation: Dynamo attempted to recompile the code object"
-        for c in (_compilation("7/0", "hook_fn", 3),  # compiled in the forward
-                  _compilation("!0/7/1", "hook_fn", 3, "7/0: tensor 'x' size mismatch at index 0. expected 2, actual 3"
-                               ),
-                  _compilation("!0/6/0", "forward", 1),  # compiled autograd's backward graph
-                  _compilation("!0/7/2", None, None, "7/1: tensor 'x' size mismatch at index 0. expected 3, actual 4",
-                               "Unsupported", limit)):
+        for c in (
+            _compilation("7/0", "hook_fn", 3),  # compiled in the forward
+            _compilation("!0/7/1", "hook_fn", 3, "7/0: tensor 'x' size mismatch at index 0. expected 2, actual 3"),
+            _compilation("!0/6/0", "forward", 1),  # compiled autograd's backward graph
+            _compilation(
+                "!0/7/2",
+                None,
+                None,
+                "7/1: tensor 'x' size mismatch at index 0. expected 3, actual 4",
+                "Unsupported",
+                limit,
+            ),
+        ):
             probe._on_compilation(c)
     finally:
         agent.shutdown()

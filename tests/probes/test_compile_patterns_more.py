@@ -46,12 +46,15 @@ def test_loggers_disabled_by_dict_config_still_feed_the_probe_and_stay_silent() 
 
     (The probe saw nothing: a disabled logger drops records before its filters, and no metric moved.)
     """
-    out = subprocess.run([sys.executable, "-c", DICT_CONFIG_JOB], cwd=REPO, capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run([sys.executable, "-c", DICT_CONFIG_JOB], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert 0 == out.returncode, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"probe": {"compile_frames_total": 4.0, "recompiles_total": 2.0, "graph_breaks_total": 2.0},
-            "torch": [4, 2], "printed": "", "disabled": [True, True]} == result
+    assert {
+        "probe": {"compile_frames_total": 4.0, "recompiles_total": 2.0, "graph_breaks_total": 2.0},
+        "torch": [4, 2],
+        "printed": "",
+        "disabled": [True, True],
+    } == result
 
 
 def test_log_tap_follows_a_logging_configuration_that_enables_or_disables_its_logger() -> None:

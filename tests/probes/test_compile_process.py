@@ -41,20 +41,25 @@ if os.environ.get("WITH_PROBE") == "1":
 def _stderr(tmp_path: Path, daemon: DaemonProcess, with_probe: bool, **env: str) -> bytes:
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    full_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "WITH_PROBE": "1" if with_probe else "0",
-                # torch's default format carries time and pid; everything else is compared byte for byte.
-                "TORCH_LOGS_FORMAT": "%(levelname)s:%(name)s:%(message)s",
-                # A reachable daemon, so the agent has nothing of its own to say.
-                "TORCHPULSE_SOCKET": str(daemon.socket_path), **env}
-    done = subprocess.run([sys.executable, str(script)], env=full_env, capture_output=True, timeout=240,
-                          cwd=tmp_path, check=True)
+    full_env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "WITH_PROBE": "1" if with_probe else "0",
+        # torch's default format carries time and pid; everything else is compared byte for byte.
+        "TORCH_LOGS_FORMAT": "%(levelname)s:%(name)s:%(message)s",
+        # A reachable daemon, so the agent has nothing of its own to say.
+        "TORCHPULSE_SOCKET": str(daemon.socket_path),
+        **env,
+    }
+    done = subprocess.run(
+        [sys.executable, str(script)], env=full_env, capture_output=True, timeout=240, cwd=tmp_path, check=True
+    )
     return done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("torch_logs", ["", "recompiles,graph_breaks"])
-def test_job_stderr_is_byte_identical_with_the_probe(tmp_path: Path, daemon: DaemonProcess,
-                                                     torch_logs: str) -> None:
+def test_job_stderr_is_byte_identical_with_the_probe(tmp_path: Path, daemon: DaemonProcess, torch_logs: str) -> None:
     """Same stderr with and without the probe, also when TORCH_LOGS asks for recompiles."""
     env = {"TORCH_LOGS": torch_logs} if torch_logs else {}
     without = _stderr(tmp_path, daemon, False, **env)
@@ -80,15 +85,19 @@ def test_recompiles_reach_the_daemon(daemon: DaemonProcess, tmp_path: Path) -> N
     wait_for(scraped, timeout=30)
     samples = daemon.scrape()
     function = f"f ({tmp_path.name}/job.py:10)"
-    assert [1.0] == list(select(samples, "torchpulse_recompiles_total", run="compile-e2e",
-                                function=function, reason="tensor_size").values())
-    assert [1.0] == list(select(samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e",
-                                function=function).values()), select(
-        samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e")  # seen once under load: which labels?
+    assert [1.0] == list(
+        select(
+            samples, "torchpulse_recompiles_total", run="compile-e2e", function=function, reason="tensor_size"
+        ).values()
+    )
+    assert [1.0] == list(
+        select(samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e", function=function).values()
+    ), select(
+        samples, "torchpulse_recompile_limit_hits_total", run="compile-e2e"
+    )  # seen once under load: which labels?
     assert 1.0 == sum(select(samples, "torchpulse_graph_breaks_total", run="compile-e2e").values())
     # f twice, g, and the resume function after its graph break.
-    assert [4.0] == list(select(samples, "torchpulse_compile_frames_total", run="compile-e2e",
-                                status="ok").values())
+    assert [4.0] == list(select(samples, "torchpulse_compile_frames_total", run="compile-e2e", status="ok").values())
 
 
 LATE_DYNAMO_JOB = r"""
@@ -117,6 +126,5 @@ def test_attach_imports_no_dynamo_and_still_sees_compiles_after_the_job_imports_
     """Attach leaves Dynamo and Inductor unimported (an early Dynamo import makes DDP over gloo
     hang at exit now and then); the compile probe installs when the job imports Dynamo, and
     installing imports no CUDA-graph tree module either."""
-    out = subprocess.run([sys.executable, "-c", LATE_DYNAMO_JOB], cwd=REPO, capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run([sys.executable, "-c", LATE_DYNAMO_JOB], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert "[] False 2.0 0" == out.stdout.strip(), out.stderr[-3000:]

@@ -28,9 +28,12 @@ RECOMPILE_REASONS = [
     ("4/0: L['self']._modules['lin'].training == True", "global_or_module_attribute"),
     ("9/0: something torch will invent later", "other"),
     # Dynamic shapes: symbolic size guards (automatic dynamic's 0/1 specialization, mark_dynamic ranges).
-    ("0/1: 2 <= x.size()[0]  # def f(x): return x*2  # mp/t.py:9 in f (user code shown is first use of this "
-     "value--the guard itself is not due user code but due to 0/1 specialization in the framework; to avoid "
-     "specialization try torch._dynamo.decorators.mark_unbacked(tensor, dim))", "tensor_size"),
+    (
+        "0/1: 2 <= x.size()[0]  # def f(x): return x*2  # mp/t.py:9 in f (user code shown is first use of this "
+        "value--the guard itself is not due user code but due to 0/1 specialization in the framework; to avoid "
+        "specialization try torch._dynamo.decorators.mark_unbacked(tensor, dim))",
+        "tensor_size",
+    ),
     ("0/0: 2 <= x.size()[0] <= 8  # def md(x): return x*2  # mp/t.py:24 in md", "tensor_size"),
     ("0/0: 4 <= x.size()[0]  # if x.shape[0] > 3: return x*2  # mp/t.py:20 in br", "tensor_size"),
     # Global state other than grad mode is not grad mode.
@@ -38,29 +41,57 @@ RECOMPILE_REASONS = [
     ("0/0: GLOBAL_STATE changed: deterministic_algorithms ", "other"),
     ("0/0: GLOBAL_STATE changed: grad_mode autocast(cpu)_enabled ", "grad_mode"),
     # Another device fails the dispatch-key check first (captured: cpu -> meta); an inference tensor does not.
-    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
-     "AutogradCPU), actual DispatchKeySet(Meta, BackendSelect, ADInplaceOrView, AutogradMeta)", "device"),
-    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
-     "AutogradCPU), actual DispatchKeySet(CUDA, BackendSelect, ADInplaceOrView, AutogradCUDA)", "device"),
-    ("0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
-     "AutogradCPU), actual DispatchKeySet(CPU, BackendSelect, ADInplaceOrView)", "other"),
+    (
+        "0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+        "AutogradCPU), actual DispatchKeySet(Meta, BackendSelect, ADInplaceOrView, AutogradMeta)",
+        "device",
+    ),
+    (
+        "0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+        "AutogradCPU), actual DispatchKeySet(CUDA, BackendSelect, ADInplaceOrView, AutogradCUDA)",
+        "device",
+    ),
+    (
+        "0/0: tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, BackendSelect, ADInplaceOrView, "
+        "AutogradCPU), actual DispatchKeySet(CPU, BackendSelect, ADInplaceOrView)",
+        "other",
+    ),
     # Attributes of the compiled module itself are module attributes, like those of its submodules.
-    ("0/0: self.training == True                                    # def forward(self, x): return "
-     "torch.nn.functional.dropout(x, self.p, self.training)  # mp/t.py:16 in forward", "global_or_module_attribute"),
-    ("0/0: self.p == 0.5                                            # return F.dropout(x, self.p)  # mp/t.py:54",
-     "global_or_module_attribute"),
-    ("0/0: ___check_type_id(self._modules['act'], 93882633422352), type=<class 'torch.nn.modules.activation.ReLU'>"
-     "  # x = self.act(self.lin(x))  # mp/t.py:52 in forward", "global_or_module_attribute"),
-    ("0/0: expected type of 's._modules['lin']._parameters['bias']' to be a tensor type, ' but found <class "
-     "'NoneType'>", "global_or_module_attribute"),
+    (
+        "0/0: self.training == True                                    # def forward(self, x): return "
+        "torch.nn.functional.dropout(x, self.p, self.training)  # mp/t.py:16 in forward",
+        "global_or_module_attribute",
+    ),
+    (
+        "0/0: self.p == 0.5                                            # return F.dropout(x, self.p)  # mp/t.py:54",
+        "global_or_module_attribute",
+    ),
+    (
+        "0/0: ___check_type_id(self._modules['act'], 93882633422352), type=<class 'torch.nn.modules.activation.ReLU'>"
+        "  # x = self.act(self.lin(x))  # mp/t.py:52 in forward",
+        "global_or_module_attribute",
+    ),
+    (
+        "0/0: expected type of 's._modules['lin']._parameters['bias']' to be a tensor type, ' but found <class "
+        "'NoneType'>",
+        "global_or_module_attribute",
+    ),
     # ...but the constant a value is compared with, or the type in a repr, is not an attribute of anything.
-    ("0/0: d == torch.float64                                       # def dt(x, d): return x.to(d)  # mp/t.py:19",
-     "python_value"),
-    ("0/0: ___check_obj_id(fn, 140362271447680), type=<class 'builtin_function_or_method'>  # def ff(x, fn): "
-     "return fn(x)  # mp/t.py:21 in ff", "python_value"),
+    (
+        "0/0: d == torch.float64                                       # def dt(x, d): return x.to(d)  # mp/t.py:19",
+        "python_value",
+    ),
+    (
+        "0/0: ___check_obj_id(fn, 140362271447680), type=<class 'builtin_function_or_method'>  # def ff(x, fn): "
+        "return fn(x)  # mp/t.py:21 in ff",
+        "python_value",
+    ),
     # Sentences about the cache are no guard.
-    ("0/0: BACKEND_MATCH failure: torch.compile detected different backend callables. Cached backend: eager. New "
-     "backend: eager. If this is unexpected, wrap your backend in functools.partial", "other"),
+    (
+        "0/0: BACKEND_MATCH failure: torch.compile detected different backend callables. Cached backend: eager. New "
+        "backend: eager. If this is unexpected, wrap your backend in functools.partial",
+        "other",
+    ),
     ("0/0: Cache line invalidated because G['model'] got deallocated", "other"),
 ]
 
@@ -89,32 +120,51 @@ def test_graph_break_message_is_split_into_kind_and_location() -> None:
         "graph break. Message: None\n\nUser code traceback:\n  File ..."
     )
     assert ("Call to `torch._dynamo.graph_break()`", "/tmp/job/train.py", 10) == parse_graph_break(skipped)[:3]  # type: ignore[index]
-    duplicate = ("Graph break (user stack suppressed due to duplicate graph break) in user code at "
-                 "/tmp/a.py:7\nGraph Break Reason: Failed to trace builtin operator\n  Explanation: x")
+    duplicate = (
+        "Graph break (user stack suppressed due to duplicate graph break) in user code at "
+        "/tmp/a.py:7\nGraph Break Reason: Failed to trace builtin operator\n  Explanation: x"
+    )
     assert ("Failed to trace builtin operator", "/tmp/a.py", 7) == parse_graph_break(duplicate)[:3]  # type: ignore[index]
 
 
-@pytest.mark.parametrize(("message", "expected"), [
-    ("skipping cudagraphs due to cpu device (arg0_1). Found from : \n File", "cpu_device"),
-    ("skipping cudagraphs due to mutated inputs (2 instances). Found from", "mutated_inputs"),
-    ("skipping cudagraphs due to multiple devices: device(type='cuda', index=0), device(type='cuda', index=1)",
-     "multiple_devices"),
-    ("skipping cudagraphs due to graph with symbolic shapes inputs and config.triton.cudagraph_skip_dynamic_graphs",
-     "dynamic_shapes"),
-    ("skipping cudagraphs due to disabling cudagraphs due to incompatible op aten._local_scalar_dense",
-     "incompatible_op"),
-    ("skipping cudagraph due to function 0 exceeding max re-recording limit (=50)", "other"),
-    # The reason is in the first line; the user's stack trace after it may contain any word.
-    ("skipping cudagraphs due to disabling cudagraphs due to incompatible op aten.nonzero.default Found from "
-     '  File "/src/mutation_utils.py", line 3, in cpu_device_to_symint\n    y = x.nonzero()\n', "incompatible_op"),
-    ('skipping cudagraphs due to mutated inputs (1 instances). Found from : \n   File "/src/m.py", line 9, in f\n'
-     "    x.add_(1)  # still on the cpu device here\n", "mutated_inputs"),
-    ("input storage mutation (1 instances). Found from:\n File x.py", "mutated_inputs"),
-    ("skipping cudagraphs due to index_put_ fallback with boolean indexing is not compatible with CUDA graphs",
-     "incompatible_op"),
-    ("skipping cudagraphs due to control flow operator: torch.cond. Found from : \n File x.py", "incompatible_op"),
-    ("disabling cudagraphs due to override_cudagraphs annotation", "other"),
-])
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("skipping cudagraphs due to cpu device (arg0_1). Found from : \n File", "cpu_device"),
+        ("skipping cudagraphs due to mutated inputs (2 instances). Found from", "mutated_inputs"),
+        (
+            "skipping cudagraphs due to multiple devices: device(type='cuda', index=0), device(type='cuda', index=1)",
+            "multiple_devices",
+        ),
+        (
+            "skipping cudagraphs due to graph with symbolic shapes inputs and config.triton.cudagraph_skip_dynamic_graphs",  # noqa: E501
+            "dynamic_shapes",
+        ),
+        (
+            "skipping cudagraphs due to disabling cudagraphs due to incompatible op aten._local_scalar_dense",
+            "incompatible_op",
+        ),
+        ("skipping cudagraph due to function 0 exceeding max re-recording limit (=50)", "other"),
+        # The reason is in the first line; the user's stack trace after it may contain any word.
+        (
+            "skipping cudagraphs due to disabling cudagraphs due to incompatible op aten.nonzero.default Found from "
+            '  File "/src/mutation_utils.py", line 3, in cpu_device_to_symint\n    y = x.nonzero()\n',
+            "incompatible_op",
+        ),
+        (
+            'skipping cudagraphs due to mutated inputs (1 instances). Found from : \n   File "/src/m.py", line 9, in f\n'  # noqa: E501
+            "    x.add_(1)  # still on the cpu device here\n",
+            "mutated_inputs",
+        ),
+        ("input storage mutation (1 instances). Found from:\n File x.py", "mutated_inputs"),
+        (
+            "skipping cudagraphs due to index_put_ fallback with boolean indexing is not compatible with CUDA graphs",
+            "incompatible_op",
+        ),
+        ("skipping cudagraphs due to control flow operator: torch.cond. Found from : \n File x.py", "incompatible_op"),
+        ("disabling cudagraphs due to override_cudagraphs annotation", "other"),
+    ],
+)
 def test_cudagraph_skip_messages_are_classified(message: str, expected: str) -> None:
     """Skip messages map to the fixed skip reasons."""
     assert expected == classify_cudagraph_skip(message)
@@ -128,7 +178,8 @@ def test_rerecord_reasons_are_classified() -> None:
     # Only the first line is the status; input names and stack traces follow.
     assert "managed_index_mismatch" == classify_rerecord(
         "cudagraph managed tensor data pointer changed.\ninput name: static_input_ids. data pointer changed "
-        'from 1 to 2. input stack trace: File "m.py", line 4, in forward\n    x = x + buf  # the static input buffer')
+        'from 1 to 2. input stack trace: File "m.py", line 4, in forward\n    x = x + buf  # the static input buffer'
+    )
 
 
 def test_function_label_uses_a_short_path() -> None:

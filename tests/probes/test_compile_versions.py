@@ -39,10 +39,19 @@ def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:
     return {labels: value for (name, labels), value in agent.store._values.items() if name == family}
 
 
-@pytest.mark.parametrize(("compile_id", "expected"), [
-    ("0/0", False), ("0/1", True), ("3/2_1", True), ("3/0_1", False), ("!0/3/1", True), ("!0/3/0", False),
-    ("?", False), ("0", False),
-])
+@pytest.mark.parametrize(
+    ("compile_id", "expected"),
+    [
+        ("0/0", False),
+        ("0/1", True),
+        ("3/2_1", True),
+        ("3/0_1", False),
+        ("!0/3/1", True),
+        ("!0/3/0", False),
+        ("?", False),
+        ("0", False),
+    ],
+)
 def test_a_compile_id_tells_a_recompile(compile_id: str, expected: bool) -> None:
     """The frame's compile index (after any compiled-autograd prefix, before a restart suffix) is above 0."""
     assert expected == is_recompile_id(compile_id)
@@ -70,8 +79,10 @@ def test_a_limit_hit_torch_2_10_records_as_recompile_limit_exceeded_is_no_recomp
         recompile_reason: str | None = "tensor 'x' size mismatch at index 0. expected 3, actual 4"
 
     probe = agent.probes["compile"]
-    agent.record(probe._on_compilation, Compilation.of(Metrics210(
-        "0/8", fail_type="RecompileLimitExceeded", fail_reason="recompile_limit reached")))
+    agent.record(
+        probe._on_compilation,
+        Compilation.of(Metrics210("0/8", fail_type="RecompileLimitExceeded", fail_reason="recompile_limit reached")),
+    )
     agent.drain()
     label = function_label("step", "/job/train.py", 7)
     assert {(label,): 1.0} == _series(agent, "recompile_limit_hits_total")

@@ -58,7 +58,8 @@ def test_disabling_the_optimizer_probe_from_its_own_hook_does_not_break_the_step
         _step(model, optimizer, 3)
         agent.drain()
         assert [(1, True, {"probe": "optimizer", "changed": True})] == [
-            (r.id, r.ok, r.data) for r in agent.control.results]
+            (r.id, r.ok, r.data) for r in agent.control.results
+        ]
         assert 2.0 == agent.store.value("optimizer_steps_total", ("SGD#0",))
     finally:
         agent.shutdown()
@@ -109,8 +110,11 @@ def test_trace_for_a_step_already_past_fails_clearly(tmp_path: Path) -> None:
         agent.control.receive(Command(2, "trace", {"steps": 2, "start_step": 2, "out": str(tmp_path)}))
         _step(model, optimizer)
         [result] = list(agent.control.results)
-        assert (False, "missed the start step 2: this rank already finished step 5; retry with a later "
-                "--start-step, or without one") == (result.ok, result.message)
+        assert (
+            False,
+            "missed the start step 2: this rank already finished step 5; retry with a later "
+            "--start-step, or without one",
+        ) == (result.ok, result.message)
     finally:
         agent.shutdown()
 
@@ -201,20 +205,28 @@ def test_a_wrapping_optimizer_counts_steps_and_an_idle_first_optimizer_is_replac
 KNOWN = "autograd, checkpoint, compile, cudagraphs, optimizer"
 
 
-@pytest.mark.parametrize(("name", "args", "message"), [
-    ("trace", {"steps": 10**6, "out": "/tmp"}, "steps must be an integer from 1 to 100, got 1000000"),
-    ("trace", {"steps": True, "out": "/tmp"}, "steps must be an integer from 1 to 100, got True"),
-    ("trace", {"steps": 2, "out": "relative/dir"}, "out must be an absolute directory path, got 'relative/dir'"),
-    ("trace", {"steps": 2, "out": "/tmp", "start_step": 2.5}, "start_step must be an integer, got 2.5"),
-    ("sample", {"probe": "autograd", "rate": 1e-30}, "rate must be 0 (off) or a number from 1e-06 to 1, got 1e-30"),
-    ("sample", {"probe": "autograd", "rate": math.nan}, "rate must be 0 (off) or a number from 1e-06 to 1, got nan"),
-    ("sample", {"probe": "autograd", "rate": "0.1"}, "rate must be 0 (off) or a number from 1e-06 to 1, got '0.1'"),
-    ("autograd-log", {"passes": 10**12}, "passes must be an integer from 1 to 100, got 1000000000000"),
-    ("enable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
-    ("disable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
-])
-def test_bad_arguments_are_refused_at_once_without_waiting_for_a_step(name: str, args: dict[str, FieldValue],
-                                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("trace", {"steps": 10**6, "out": "/tmp"}, "steps must be an integer from 1 to 100, got 1000000"),
+        ("trace", {"steps": True, "out": "/tmp"}, "steps must be an integer from 1 to 100, got True"),
+        ("trace", {"steps": 2, "out": "relative/dir"}, "out must be an absolute directory path, got 'relative/dir'"),
+        ("trace", {"steps": 2, "out": "/tmp", "start_step": 2.5}, "start_step must be an integer, got 2.5"),
+        ("sample", {"probe": "autograd", "rate": 1e-30}, "rate must be 0 (off) or a number from 1e-06 to 1, got 1e-30"),
+        (
+            "sample",
+            {"probe": "autograd", "rate": math.nan},
+            "rate must be 0 (off) or a number from 1e-06 to 1, got nan",
+        ),
+        ("sample", {"probe": "autograd", "rate": "0.1"}, "rate must be 0 (off) or a number from 1e-06 to 1, got '0.1'"),
+        ("autograd-log", {"passes": 10**12}, "passes must be an integer from 1 to 100, got 1000000000000"),
+        ("enable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
+        ("disable", {"probe": "nope"}, f"unknown probe 'nope' (known: {KNOWN})"),
+    ],
+)
+def test_bad_arguments_are_refused_at_once_without_waiting_for_a_step(
+    name: str, args: dict[str, FieldValue], message: str
+) -> None:
     """A typo is answered when it arrives, by a job that is not stepping, and nothing is queued."""
     agent, _model, _optimizer = _setup()
     try:
@@ -262,9 +274,10 @@ def test_detaching_during_a_trace_stops_the_profiler_and_answers_everything(tmp_
         agent.control.receive(Command(2, "disable", {"probe": "optimizer"}))
         agent.shutdown()
         assert not _profiling()
-        assert [(1, False, "the agent detached before the trace of steps 2..51 was complete; nothing was written"),
-                (2, False, "the agent detached before its next step boundary")] == [
-            (r.id, r.ok, r.message) for r in agent.control.results]
+        assert [
+            (1, False, "the agent detached before the trace of steps 2..51 was complete; nothing was written"),
+            (2, False, "the agent detached before its next step boundary"),
+        ] == [(r.id, r.ok, r.message) for r in agent.control.results]
     finally:
         trace = agent.control._trace
         if trace is not None and trace.profiler is not None and _profiling():
@@ -326,8 +339,9 @@ def test_a_long_run_name_still_gets_its_trace_file() -> None:
             agent.shutdown()
 
 
-def test_writing_the_trace_file_does_not_hold_up_the_training_thread(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_writing_the_trace_file_does_not_hold_up_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An export that takes 2 s (a large model's trace) happens while the job goes on stepping."""
     original = torch.profiler.profile.export_chrome_trace
 
@@ -359,7 +373,10 @@ def test_a_trace_waiting_for_a_far_step_is_superseded_by_a_newer_request(tmp_pat
         _step(model, optimizer, 5)
         first, second = _results(agent, 2)
         assert (1, False, "superseded by a newer trace request before step 1000000000 came") == (
-            first.id, first.ok, first.message)
+            first.id,
+            first.ok,
+            first.message,
+        )
         assert (2, True) == (second.id, second.ok), second
     finally:
         agent.shutdown()
@@ -372,7 +389,8 @@ def test_a_status_that_fails_is_answered_and_never_raises_into_the_sender() -> N
     try:
         agent.control.receive(Command(1, "status", {}))
         assert [(1, False, "internal error: ZeroDivisionError('division by zero')")] == [
-            (r.id, r.ok, r.message) for r in agent.control.results]
+            (r.id, r.ok, r.message) for r in agent.control.results
+        ]
     finally:
         del agent.probes["autograd"]
         agent.shutdown()
@@ -396,7 +414,8 @@ def test_sample_sets_the_autograd_period_and_rate_zero_switches_timing_off() -> 
         agent.drain()
         assert ([(1, True, {"sample_every": 4}), (2, True, {"sample_every": 0})], sampled) == (
             [(r.id, r.ok, r.data) for r in agent.control.results],
-            agent.store.value("autograd_sampled_passes_total", ()))
+            agent.store.value("autograd_sampled_passes_total", ()),
+        )
     finally:
         agent.shutdown()
 
@@ -406,8 +425,13 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 KiB tmpfs: smaller than a trace file, which torch then leaves half-written (root only)."""
     mount = tmp_path / "full"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root")
     try:
         yield mount

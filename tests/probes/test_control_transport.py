@@ -50,7 +50,8 @@ def _answers(sock: socket.socket, count: int) -> list[CommandResult]:
 
 
 def test_an_answer_that_cannot_be_encoded_is_still_answered_on_the_same_connection(
-        wired: tuple[Agent, Sender, socket.socket]) -> None:
+    wired: tuple[Agent, Sender, socket.socket],
+) -> None:
     """A result carrying an int past msgpack's range becomes a failed answer; the connection stays."""
     agent, sender, daemon = wired
     agent.control.results.append(CommandResult(5, True, "ok", {"sample_every": 10**20}))
@@ -74,14 +75,16 @@ except OSError:
 
 
 def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
-        wired: tuple[Agent, Sender, socket.socket]) -> None:
+    wired: tuple[Agent, Sender, socket.socket],
+) -> None:
     """Another process streams status commands without pause: one read pass still ends, and the
     answers went out as it read instead of piling up in the job's memory."""
     agent, sender, daemon = wired
     daemon.settimeout(None)
     stop = threading.Event()
-    flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(daemon.fileno())], stdin=subprocess.PIPE,
-                             pass_fds=[daemon.fileno()])
+    flood = subprocess.Popen(
+        [sys.executable, "-c", FLOOD, str(daemon.fileno())], stdin=subprocess.PIPE, pass_fds=[daemon.fileno()]
+    )
     assert flood.stdin is not None
     flood.stdin.write(b"".join(encode(Command(n, "status", {})) for n in range(2000)))
     flood.stdin.close()
@@ -113,8 +116,8 @@ def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
 
 @pytest.mark.parametrize(("was", "goodbye"), [((1, 2), False), ((0, 2), True)])
 def test_a_reconnect_for_a_new_world_size_keeps_the_rank_and_one_for_a_new_rank_gives_it_up(
-        wired: tuple[Agent, Sender, socket.socket], monkeypatch: pytest.MonkeyPatch, was: tuple[int, int],
-        goodbye: bool) -> None:
+    wired: tuple[Agent, Sender, socket.socket], monkeypatch: pytest.MonkeyPatch, was: tuple[int, int], goodbye: bool
+) -> None:
     """Reconnecting as what torch.distributed names: a goodbye only when the rank changed. For the world size
     alone it would give the rank up for a moment, to any other process claiming it."""
     agent, sender, daemon_end = wired

@@ -60,8 +60,9 @@ def _run(failed_checks: list[str], records: bool) -> None:
 
 
 def _record_function() -> None:
-    TREES_LOG.debug("[%s] Recording function=%s, mode=%s, cuda_graph_id=%d, inputs: %s", "0/0", "forward",
-                    "FORWARD", 0, "")
+    TREES_LOG.debug(
+        "[%s] Recording function=%s, mode=%s, cuda_graph_id=%d, inputs: %s", "0/0", "forward", "FORWARD", 0, ""
+    )
 
 
 def _cudagraphify_impl() -> Callable[[int], None]:
@@ -102,7 +103,8 @@ def test_a_rerecord_is_counted_once_per_recording_not_per_failed_sibling(agent: 
     _run([STATIC_INPUT_CHANGED, "cudagraph managed tensor data pointer changed.\n"], records=True)
     agent.drain()
     assert {("static_input_changed",): 1.0, ("managed_index_mismatch",): 1.0} == _counted(
-        agent, "cudagraph_rerecords_total")
+        agent, "cudagraph_rerecords_total"
+    )
 
 
 def test_a_new_shape_is_a_rerecord_per_compiled_graph(agent: Any, stand_ins: None) -> None:
@@ -120,7 +122,8 @@ def test_a_new_shape_is_a_rerecord_per_compiled_graph(agent: Any, stand_ins: Non
 
 
 def test_without_the_frames_lines_are_counted_and_the_gap_logged_once(
-        agent: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    agent: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """On a torch whose tree functions differ, each Re-recording line counts (an over-count on alternating
     inputs) and new shapes are told apart by compile id; the missing feature is logged once."""
     monkeypatch.setattr(tf, "tree_frames", lambda: None, raising=False)
@@ -132,10 +135,11 @@ def test_without_the_frames_lines_are_counted_and_the_gap_logged_once(
     forward(4)
     forward(6)
     agent.drain()
-    assert {("static_input_changed",): 2.0, ("new_dynamic_shape",): 1.0} == _counted(
-        agent, "cudagraph_rerecords_total")
-    expected = ("torchpulse: cudagraphs probe runs without a torch feature "
-                "(feature='cudagraph_tree_frames' reason='not present in this torch')")
+    assert {("static_input_changed",): 2.0, ("new_dynamic_shape",): 1.0} == _counted(agent, "cudagraph_rerecords_total")
+    expected = (
+        "torchpulse: cudagraphs probe runs without a torch feature "
+        "(feature='cudagraph_tree_frames' reason='not present in this torch')"
+    )
     assert [expected] == [r.getMessage() for r in caplog.records if "cudagraph_tree_frames" in r.getMessage()]
 
 
@@ -148,13 +152,16 @@ def test_skips_torch_logs_without_the_usual_prefix_keep_their_reason(agent: Any)
     assert {("mutated_inputs",): 1.0, ("other",): 1.0} == _counted(agent, "cudagraph_skips_total")
 
 
-@pytest.mark.parametrize("message", [
-    "skipping cudagraph due to function 0 exceeding max re-recording limit (=128) on cudagraph node 1 due to "
-    "static input data pointer changed.",
-    # torch 2.15, cudagraph_managed_input_rerecord_action="skip"
-    "skipping cudagraph due to function 0 reaching the cudagraph-managed input re-recording threshold (=5) "
-    "on cudagraph node 1 for input indices [0].",
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "skipping cudagraph due to function 0 exceeding max re-recording limit (=128) on cudagraph node 1 due to "
+        "static input data pointer changed.",
+        # torch 2.15, cudagraph_managed_input_rerecord_action="skip"
+        "skipping cudagraph due to function 0 reaching the cudagraph-managed input re-recording threshold (=5) "
+        "on cudagraph node 1 for input indices [0].",
+    ],
+)
 def test_a_skip_that_ends_re_recording_is_a_limit_hit(agent: Any, message: str) -> None:
     """Both of torch's re-record limits make the function run without CUDA graphs: one skip and one limit hit."""
     log_cudagraph_skip_and_bump_counter(message)
@@ -179,8 +186,11 @@ def test_tree_gauges_follow_a_reset_of_the_trees(agent: Any) -> None:
         assert (2.0, 2.0) == (agent.store.value("cudagraph_trees"), agent.store.value("cudagraph_nodes"))
         containers.clear()  # what reset_cudagraph_trees() does (Dynamo calls it only with CUDA)
         _poll(agent)
-        assert (0.0, 0.0, 0.0) == (agent.store.value("cudagraph_trees"), agent.store.value("cudagraph_nodes"),
-                                   agent.store.value("cudagraph_pool_bytes"))
+        assert (0.0, 0.0, 0.0) == (
+            agent.store.value("cudagraph_trees"),
+            agent.store.value("cudagraph_nodes"),
+            agent.store.value("cudagraph_pool_bytes"),
+        )
     finally:
         containers.clear()
 
@@ -213,7 +223,8 @@ def _warmup_node(outputs: list[torch.Tensor]) -> CUDAWarmupNode:
 
 @pytest.mark.parametrize("make_node", [_recorded_node, _warmup_node])
 def test_static_check_answers_like_the_tree_node_and_creates_no_tree_state(
-        make_node: Callable[[list[torch.Tensor]], Any]) -> None:
+    make_node: Callable[[list[torch.Tensor]], Any],
+) -> None:
     """Grads that are outputs of the current graph path are static, others not, as torch's node says;
     asking about a device without a tree manager leaves torch's thread-local containers as they were."""
     outputs = [torch.zeros(3) for _ in range(4)]
@@ -268,8 +279,12 @@ def test_pool_bytes_sums_the_managers_pools_from_a_snapshot_without_traces(monke
 
     def memory_snapshot(mempool_id: object = None, include_traces: bool = True) -> list[dict[str, object]]:
         calls.append({"include_traces": include_traces})
-        return [{"segment_pool_id": (1, 2), "total_size": 2 << 20}, {"segment_pool_id": (0, 0), "total_size": 7},
-                {"segment_pool_id": (1, 2), "total_size": 512}, {"segment_pool_id": (3, 4), "total_size": 9}]
+        return [
+            {"segment_pool_id": (1, 2), "total_size": 2 << 20},
+            {"segment_pool_id": (0, 0), "total_size": 7},
+            {"segment_pool_id": (1, 2), "total_size": 512},
+            {"segment_pool_id": (3, 4), "total_size": 9},
+        ]
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
     managers = [SimpleNamespace(cuda_graphs_thread_pool=(1, 2))]
@@ -308,5 +323,7 @@ def test_readiness_reads_sharded_grads_through_their_local_shard() -> None:
         second = measure_readiness(optimizer, last, tf.static_checker())
     finally:
         containers.clear()
-    assert ((1, 0), (0, 1)) == ((first.nonstatic_grads, first.moving_grads),
-                                (second.nonstatic_grads, second.moving_grads))
+    assert ((1, 0), (0, 1)) == (
+        (first.nonstatic_grads, first.moving_grads),
+        (second.nonstatic_grads, second.moving_grads),
+    )

@@ -25,15 +25,19 @@ Series = dict[tuple[str, ...], float]
 
 
 def _series(agent: Any, family: str, optimizer: str | None = None) -> Series:
-    return {labels: value for (name, labels), value in agent.store._values.items()
-            if name == family and (optimizer is None or labels[0] == optimizer)}
+    return {
+        labels: value
+        for (name, labels), value in agent.store._values.items()
+        if name == family and (optimizer is None or labels[0] == optimizer)
+    }
 
 
 def _grown(agent: Any, family: str, before: Series) -> Series:
     """The series of a counter family that grew since `before`, by how much."""
     now = _series(agent, family)
-    return {labels: value - before.get(labels, 0.0) for labels, value in now.items()
-            if value != before.get(labels, 0.0)}
+    return {
+        labels: value - before.get(labels, 0.0) for labels, value in now.items() if value != before.get(labels, 0.0)
+    }
 
 
 def _value(agent: Any, family: str) -> float:
@@ -65,8 +69,11 @@ def _trees() -> tuple[int, int, int, int]:
 def _pool_bytes() -> int:
     from torch._inductor.cudagraph_trees import get_cudagraph_segments
 
-    return sum(int(segment["total_size"]) for manager in tf.tree_managers()
-               for segment in get_cudagraph_segments(manager.cuda_graphs_thread_pool))
+    return sum(
+        int(segment["total_size"])
+        for manager in tf.tree_managers()
+        for segment in get_cudagraph_segments(manager.cuda_graphs_thread_pool)
+    )
 
 
 def _label(agent: Any, optimizer: torch.optim.Optimizer) -> str:
@@ -120,8 +127,11 @@ def test_readiness_counts_what_dynamo_would_find(agent: Any) -> None:
     eager = torch.nn.Linear(8, 8, device="cuda")  # grads from the caching allocator: never static
     on_cpu = torch.zeros(3, requires_grad=True)
     compiled = torch.compile(graphed, mode="reduce-overhead")
-    optimizer = torch.optim.Adam([{"params": graphed.parameters()}, {"params": eager.parameters()},
-                                  {"params": [on_cpu]}], lr=1e-3, capturable=False)
+    optimizer = torch.optim.Adam(
+        [{"params": graphed.parameters()}, {"params": eager.parameters()}, {"params": [on_cpu]}],
+        lr=1e-3,
+        capturable=False,
+    )
     cuda_params = [*graphed.parameters(), *eager.parameters()]
     held: list[Any] = []
     addresses: list[list[int]] = []
@@ -194,6 +204,7 @@ def _assert_second_sizes_rerecord_once_per_graph(agent: Any, run_size: Callable[
 
 def test_new_dynamic_shape_is_a_rerecord(agent: Any) -> None:
     """A dynamic graph recorded for a second size counts one new_dynamic_shape re-recording."""
+
     def scale(x: torch.Tensor) -> torch.Tensor:
         return x * 3
 
@@ -240,6 +251,7 @@ def test_alternating_parameter_storage_is_one_rerecord(agent: Any) -> None:
 
 def test_dynamo_reset_empties_the_tree_gauges(agent: Any) -> None:
     """torch._dynamo.reset() drops the tree managers and their pools: the gauges follow at the next step."""
+
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
@@ -253,5 +265,8 @@ def test_dynamo_reset_empties_the_tree_gauges(agent: Any) -> None:
     torch._dynamo.reset()
     poll.step()
     agent.drain()
-    assert (0.0, 0.0, 0.0) == (_value(agent, "cudagraph_trees"), _value(agent, "cudagraph_nodes"),
-                               _value(agent, "cudagraph_pool_bytes"))
+    assert (0.0, 0.0, 0.0) == (
+        _value(agent, "cudagraph_trees"),
+        _value(agent, "cudagraph_nodes"),
+        _value(agent, "cudagraph_pool_bytes"),
+    )

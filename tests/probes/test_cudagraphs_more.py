@@ -44,10 +44,16 @@ def test_cpu_optimizers_of_every_kind_have_nothing_to_fix() -> None:
     groups: list[dict[str, Any]] = [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.01}]
     adamw = torch.optim.AdamW(groups)
     adamw.add_param_group({"params": [extra]})
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1,
-                  momentum=0.9), torch.optim.Adam(model.parameters(), foreach=True),
-                  torch.optim.Adam(model.parameters(), fused=True), adamw, torch.optim.LBFGS(model.parameters()),
-                  torch.optim.SparseAdam(embedding.parameters()), torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])]
+    optimizers = [
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adam(model.parameters(), foreach=True),
+        torch.optim.Adam(model.parameters(), fused=True),
+        adamw,
+        torch.optim.LBFGS(model.parameters()),
+        torch.optim.SparseAdam(embedding.parameters()),
+        torch.optim.Adam([torch.nn.Parameter(torch.ones(1))]),
+    ]
 
     def loss() -> float:
         value = model(torch.ones(2, 3)).sum() + embedding(torch.tensor([1])).sum()
@@ -84,8 +90,9 @@ def test_reduce_overhead_on_cpu_is_one_skip_per_compile_also_after_dynamo_reset(
             torch._dynamo.reset()
         agent.drain()
         assert 2 == tf.dynamo_counter("inductor", "cudagraph_skips") - before
-        assert {("cpu_device",): 2.0} == {labels: value for labels, value in _series(
-            agent, "cudagraph_skips_total").items() if value}
+        assert {("cpu_device",): 2.0} == {
+            labels: value for labels, value in _series(agent, "cudagraph_skips_total").items() if value
+        }
     finally:
         agent.shutdown()
 

@@ -24,10 +24,13 @@ def installed() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("installed")
-@pytest.mark.parametrize(("status", "noted"), [(None, None), (0, None), (False, None), (3, "sys.exit(3)"),
-                                               ("bad config", "sys.exit('bad config')")])
-def test_sys_exit_still_raises_system_exit_and_only_a_failing_status_is_noted(status: object,
-                                                                             noted: str | None) -> None:
+@pytest.mark.parametrize(
+    ("status", "noted"),
+    [(None, None), (0, None), (False, None), (3, "sys.exit(3)"), ("bad config", "sys.exit('bad config')")],
+)
+def test_sys_exit_still_raises_system_exit_and_only_a_failing_status_is_noted(
+    status: object, noted: str | None
+) -> None:
     with pytest.raises(SystemExit) as raised:
         sys.exit(status)  # type: ignore[arg-type]
     assert (status, noted) == (raised.value.code, exit_status.failure())
@@ -45,8 +48,7 @@ def test_a_sys_exit_in_another_thread_ends_only_that_thread_and_is_not_noted() -
     assert exit_status.failure() is None
 
 
-def test_the_excepthook_notes_the_exception_class_but_not_a_keyboard_interrupt(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_excepthook_notes_the_exception_class_but_not_a_keyboard_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[type[BaseException]] = []
     monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: seen.append(t))
     exit_status.forget()

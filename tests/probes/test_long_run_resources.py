@@ -105,9 +105,15 @@ def test_a_long_job_with_every_probe_stays_flat_and_counts_right_across_daemon_r
     killed and later restarted, RSS grows by less than 8 MiB, and the restarted daemon ends with the
     job's own counts of steps, passes, saves and compiled frames."""
     daemon = start_daemon(tmp_path)
-    job = subprocess.Popen([sys.executable, "-c", LONG_JOB, str(tmp_path / "ckpt")], cwd=REPO, text=True,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           env=daemon.env(TORCHPULSE_RUN="longrun", OMP_NUM_THREADS="1"))
+    job = subprocess.Popen(
+        [sys.executable, "-c", LONG_JOB, str(tmp_path / "ckpt")],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=daemon.env(TORCHPULSE_RUN="longrun", OMP_NUM_THREADS="1"),
+    )
     assert job.stdin is not None and job.stdout is not None
     try:
         snapshots = [json.loads(job.stdout.readline())]
@@ -125,13 +131,18 @@ def test_a_long_job_with_every_probe_stays_flat_and_counts_right_across_daemon_r
         warm, *later = snapshots
         for snap in later:
             assert {k: warm[k] for k in ("fds", "threads", "finalizers", "series")} == {
-                k: snap[k] for k in ("fds", "threads", "finalizers", "series")}, snapshots
+                k: snap[k] for k in ("fds", "threads", "finalizers", "series")
+            }, snapshots
             assert snap["queued"] <= 64, snapshots
         assert later[-1]["rss_kb"] - warm["rss_kb"] < 8 * 1024, snapshots
         assert (True, 3200, 12) == (final["flushed"], final["steps"], final["saves"])
         wait_for(lambda: _value(daemon, "torchpulse_optimizer_steps_total") == 3200.0, timeout=10)
         assert {
-            "steps": 3200.0, "passes": 3200.0, "saves": 12.0, "frames": float(final["frames_ok"]), "limit_hits": 1.0,
+            "steps": 3200.0,
+            "passes": 3200.0,
+            "saves": 12.0,
+            "frames": float(final["frames_ok"]),
+            "limit_hits": 1.0,
         } == {
             "steps": _value(daemon, "torchpulse_optimizer_steps_total"),
             "passes": _value(daemon, "torchpulse_backward_passes_total", kind="backward"),
@@ -162,8 +173,11 @@ def test_attach_and_detach_over_and_over_keep_no_agent_alive_while_an_optimizer_
         agents.append(weakref.ref(agent))
         del agent
     gc.collect()
-    on_optimizer = [f for f, info in list(weakref.finalize._registry.items())  # type: ignore[attr-defined]
-                    if info.weakref() is optimizer]
+    on_optimizer = [
+        f
+        for f, info in list(weakref.finalize._registry.items())  # type: ignore[attr-defined]
+        if info.weakref() is optimizer
+    ]
     assert ([], []) == ([ref for ref in agents if ref() is not None], on_optimizer)
 
 
@@ -227,4 +241,3 @@ def test_a_cudagraphs_probe_that_switched_itself_off_keeps_no_countdowns(monkeyp
         assert (False, 0) == (probe.enabled, len(probe._due_in))
     finally:
         agent.shutdown()
-

@@ -39,7 +39,8 @@ def test_a_counter_started_at_zero_is_sent_once_and_never_resets_a_running_total
     store.start_at_zero("grad_nonfinite_passes_total")
     samples, _ = store.take_changes()
     assert {("optimizer_steps_total", ("SGD#1",), 0.0), ("grad_nonfinite_passes_total", (), 0.0)} == {
-        (s.family, s.labels, s.value) for s in samples}
+        (s.family, s.labels, s.value) for s in samples
+    }
     store.start_at_zero("grad_nonfinite_passes_total")
     assert ([], []) == store.take_changes()
     store.inc("grad_nonfinite_passes_total")

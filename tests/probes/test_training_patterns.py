@@ -21,8 +21,7 @@ from torchpulse.probes.optimizer import measure
 @contextmanager
 def training_agent(**options: str) -> Iterator[Any]:
     """A local agent with the autograd and optimizer probes, as a job gets by default."""
-    agent: Any = local_agent(("autograd", "optimizer"),
-                             options={f"autograd_{k}": v for k, v in options.items()})
+    agent: Any = local_agent(("autograd", "optimizer"), options={f"autograd_{k}": v for k, v in options.items()})
     try:
         yield agent
     finally:
@@ -55,8 +54,9 @@ def lbfgs_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def counted_closure(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    sleep: float = 0.0) -> tuple[Callable[[], torch.Tensor], list[float]]:
+def counted_closure(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sleep: float = 0.0
+) -> tuple[Callable[[], torch.Tensor], list[float]]:
     """A training step as a closure (zero_grad, forward, MSE loss, backward) and the list its calls append to."""
     x, y = torch.randn(16, 4), torch.randn(16, 1)
     calls: list[float] = []
@@ -85,8 +85,11 @@ def test_lbfgs_counts_every_closure_pass_and_one_step_per_call() -> None:
         closures = len(calls)
         assert closures > 3  # several passes per step, else this test shows nothing
         assert (closures, 3.0, 0.0, 0.0) == (
-            passes(agent, "backward"), value(agent, "optimizer_steps_total", "LBFGS#0"),
-            value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
+            passes(agent, "backward"),
+            value(agent, "optimizer_steps_total", "LBFGS#0"),
+            value(agent, "grad_nonfinite_passes_total"),
+            value(agent, "grad_nonfinite_parameters"),
+        )
 
 
 def step_seconds(agent: Any, label: str) -> tuple[int, float]:
@@ -104,11 +107,16 @@ def test_a_steps_time_leaves_out_the_closure_it_runs(keyword: bool) -> None:
     torch.manual_seed(0)
     with training_agent() as agent:
         model = mlp()
-        optimizer: torch.optim.Optimizer = (torch.optim.SGD(model.parameters(), lr=0.1) if keyword
-                                            else torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3))
+        optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.1)
+            if keyword
+            else torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+        )
         closure, calls = counted_closure(model, optimizer, sleep=0.03)
-        losses = [optimizer.step(closure=closure) if keyword else optimizer.step(closure)  # type: ignore[no-untyped-call]
-                  for _ in range(3)]
+        losses = [
+            optimizer.step(closure=closure) if keyword else optimizer.step(closure)  # type: ignore[no-untyped-call]
+            for _ in range(3)
+        ]
         assert all(isinstance(loss, torch.Tensor) for loss in losses)
         steps, seconds = step_seconds(agent, f"{type(optimizer).__name__}#0")
         assert len(calls) >= 3 and steps == 3
@@ -160,8 +168,7 @@ def test_lbfgs_state_bytes_include_its_history() -> None:
         assert 5 == len(state["old_dirs"])  # the history is full after one step of 10 iterations
         expected = lbfgs_state_bytes(optimizer)
         assert expected > 10 * 520 * 4  # 2 x 5 history copies of the 520 parameter elements
-        assert (expected, float(expected)) == (measure(optimizer)[2],
-                                               value(agent, "optimizer_state_bytes", "LBFGS#0"))
+        assert (expected, float(expected)) == (measure(optimizer)[2], value(agent, "optimizer_state_bytes", "LBFGS#0"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -173,7 +180,7 @@ def test_grad_scaler_accumulation_counts_the_poisoned_micro_batch_passes_and_nam
     with training_agent() as agent:
         model = mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         truth, steps = 0, 0
         for step in range(4):
             for micro in range(4):
@@ -191,8 +198,11 @@ def test_grad_scaler_accumulation_counts_the_poisoned_micro_batch_passes_and_nam
             optimizer.zero_grad(set_to_none=False)
         assert (3, 3) == (steps, truth)  # the poisoned micro-batch and the two after it
         assert (16, 3.0, 3.0, 0.0) == (
-            passes(agent, "backward"), value(agent, "optimizer_steps_total", "SGD#0"),
-            value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))
+            passes(agent, "backward"),
+            value(agent, "optimizer_steps_total", "SGD#0"),
+            value(agent, "grad_nonfinite_passes_total"),
+            value(agent, "grad_nonfinite_parameters"),
+        )
         reported = events(agent, "autograd.nonfinite_gradients")
         assert [5, 6, 7] == [e["pass_index"] for e in reported]
         # An Inf input reaches the first layer's weight (Inf * 0 gives NaN downstream too).
@@ -219,7 +229,10 @@ def test_activation_checkpointing_adds_no_backward_pass_and_finds_a_nan_inside(r
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         assert (4, 4 if reentrant else 0, 4) == (
-            passes(agent, "backward"), passes(agent, "reentrant"), value(agent, "autograd_sampled_passes_total"))
+            passes(agent, "backward"),
+            passes(agent, "reentrant"),
+            value(agent, "autograd_sampled_passes_total"),
+        )
         calls = node_values(agent, "autograd_node_calls_total")
         if reentrant:  # the inner pass runs inside CheckpointFunctionBackward, timed as that node
             assert (4.0, 4.0) == (calls["CheckpointFunctionBackward"], calls["AddmmBackward0"])
@@ -265,12 +278,18 @@ def test_gan_with_two_optimizers_and_schedulers() -> None:
         # discriminator pass ends with it still there (a pass *after which* a gradient held NaN).
         assert 2 == truth
         assert (12, 6.0, float(g_steps), float(truth)) == (
-            passes(agent, "backward"), value(agent, "optimizer_steps_total", "Adam#0"),
-            value(agent, "optimizer_steps_total", "Adam#1"), value(agent, "grad_nonfinite_passes_total"))
-        assert lrs == (value(agent, "optimizer_learning_rate", "Adam#0", "0"),
-                       value(agent, "optimizer_learning_rate", "Adam#1", "0"))
-        assert [(7, 1), (8, 1)] == [(e["pass_index"], e["parameters"])
-                                    for e in events(agent, "autograd.nonfinite_gradients")]
+            passes(agent, "backward"),
+            value(agent, "optimizer_steps_total", "Adam#0"),
+            value(agent, "optimizer_steps_total", "Adam#1"),
+            value(agent, "grad_nonfinite_passes_total"),
+        )
+        assert lrs == (
+            value(agent, "optimizer_learning_rate", "Adam#0", "0"),
+            value(agent, "optimizer_learning_rate", "Adam#1", "0"),
+        )
+        assert [(7, 1), (8, 1)] == [
+            (e["pass_index"], e["parameters"]) for e in events(agent, "autograd.nonfinite_gradients")
+        ]
 
 
 def test_a_param_group_added_mid_run_is_checked_and_measured() -> None:
@@ -293,8 +312,11 @@ def test_a_param_group_added_mid_run_is_checked_and_measured() -> None:
                 optimizer.step()
             optimizer.zero_grad()
         assert (5.0, 1.0, 6.0, 8.0 * 4 + 8 + 4 * 8 + 4 + 4 + 1) == (
-            value(agent, "optimizer_steps_total", "SGD#0"), value(agent, "grad_nonfinite_passes_total"),
-            value(agent, "optimizer_parameters", "SGD#0"), value(agent, "optimizer_parameter_elements", "SGD#0"))
+            value(agent, "optimizer_steps_total", "SGD#0"),
+            value(agent, "grad_nonfinite_passes_total"),
+            value(agent, "optimizer_parameters", "SGD#0"),
+            value(agent, "optimizer_parameter_elements", "SGD#0"),
+        )
         [event] = events(agent, "autograd.nonfinite_gradients")
         assert (4, "weight") == (event["pass_index"], event["names"])
 
@@ -347,7 +369,8 @@ def test_a_rebuilt_model_whose_parameters_reuse_dead_ids_is_checked() -> None:
         assert [3 if step in REBUILDS else 0 for step in range(18)] == truth  # all but the last bias
         reported = events(agent, "autograd.nonfinite_gradients")
         assert [(step, 3, 4) for step in REBUILDS] == [
-            (e["pass_index"], e["parameters"], e["checked"]) for e in reported]
+            (e["pass_index"], e["parameters"], e["checked"]) for e in reported
+        ]
         assert all("0.bias,0.weight,2.weight" == ",".join(sorted(str(e["names"]).split(","))) for e in reported)
 
 
@@ -373,5 +396,4 @@ def test_a_rebuilt_model_without_a_torch_optimizer_is_checked_at_once() -> None:
             if step < 5:
                 _sgd(model)
             model.zero_grad()
-        assert (7.0, 2.0) == (value(agent, "grad_nonfinite_passes_total"),
-                              value(agent, "grad_nonfinite_parameters"))
+        assert (7.0, 2.0) == (value(agent, "grad_nonfinite_passes_total"), value(agent, "grad_nonfinite_parameters"))

@@ -44,8 +44,11 @@ def test_a_flop_count_on_the_meta_device_leaves_the_autograd_probe_on() -> None:
                 optimizer.step()
             optimizer.zero_grad()
         assert (5, 1.0, 0.0, 1.0) == (
-            passes(agent, "backward"), value(agent, "agent_probe_enabled", "autograd"),
-            value(agent, "agent_probe_errors_total", "autograd"), value(agent, "grad_nonfinite_passes_total"))
+            passes(agent, "backward"),
+            value(agent, "agent_probe_enabled", "autograd"),
+            value(agent, "agent_probe_errors_total", "autograd"),
+            value(agent, "grad_nonfinite_passes_total"),
+        )
         [event] = events(agent, "autograd.nonfinite_gradients")
         assert (3, "2.weight") == (event["pass_index"], event["names"])
 
@@ -108,8 +111,11 @@ def test_a_step_that_raised_is_counted_when_the_job_drops_its_optimizer() -> Non
                 gc.collect()
                 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             optimizer.zero_grad()
-        assert (1, 1.0, 2.0) == (raised, value(agent, "optimizer_step_errors_total", "Adam#0"),
-                                 value(agent, "optimizer_steps_total", "Adam#0"))
+        assert (1, 1.0, 2.0) == (
+            raised,
+            value(agent, "optimizer_step_errors_total", "Adam#0"),
+            value(agent, "optimizer_steps_total", "Adam#0"),
+        )
 
 
 class _Lookahead(torch.optim.Optimizer):
@@ -149,8 +155,10 @@ def test_a_wrapping_optimizer_is_counted_once_with_the_state_of_the_one_it_wraps
         labels = sorted({labels[0] for (name, labels) in agent.store._values if name == "optimizer_steps_total"})
         expected_bytes = float(measure(inner)[2] + measure(optimizer)[2])
         assert (["_Lookahead#0"], 3.0, expected_bytes) == (
-            labels, value(agent, "optimizer_steps_total", "_Lookahead#0"),
-            value(agent, "optimizer_state_bytes", "_Lookahead#0"))
+            labels,
+            value(agent, "optimizer_steps_total", "_Lookahead#0"),
+            value(agent, "optimizer_state_bytes", "_Lookahead#0"),
+        )
 
 
 ZERO_JOB = r"""
@@ -182,17 +190,29 @@ def test_zero_redundancy_optimizer_is_one_optimizer_holding_its_local_state(tmp_
     """ZeroRedundancyOptimizer on 2 gloo ranks: per rank one series with 3 steps and the state of that rank's
     shard (the inner AdamW it steps was counted again, as a second optimizer)."""
     store = tmp_path / "store"
-    ranks = [subprocess.Popen([sys.executable, "-c", ZERO_JOB, str(rank), str(store)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", ZERO_JOB, str(rank), str(store)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     results = []
     for proc in ranks:
         out, err = proc.communicate(timeout=120)
         assert 0 == proc.returncode, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     local = [r["local_state_bytes"] for r in results]
-    assert [{"optimizer_steps_total['ZeroRedundancyOptimizer#0']": 3.0,
-             "optimizer_state_bytes['ZeroRedundancyOptimizer#0']": float(b)} for b in local] == [
-        r["series"] for r in results]
+    assert [
+        {
+            "optimizer_steps_total['ZeroRedundancyOptimizer#0']": 3.0,
+            "optimizer_state_bytes['ZeroRedundancyOptimizer#0']": float(b),
+        }
+        for b in local
+    ] == [r["series"] for r in results]
     assert 0 < local[0] and 0 < local[1]
 
 
@@ -210,8 +230,9 @@ def test_cuda_graph_readiness_is_read_for_the_wrapping_optimizer_only() -> None:
             optimizer.step()
             optimizer.zero_grad()
         agent.drain()
-        assert [("_Lookahead#0",)] == [labels for (name, labels) in agent.store._values
-                                        if name == "optimizer_nonstatic_grads"]
+        assert [("_Lookahead#0",)] == [
+            labels for (name, labels) in agent.store._values if name == "optimizer_nonstatic_grads"
+        ]
         del optimizer
         gc.collect()
         assert {} == agent.probes["cudagraphs"]._due_in  # the wrapped AdamW's countdown went with it

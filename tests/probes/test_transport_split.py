@@ -28,7 +28,9 @@ def test_events_of_frames_already_sent_are_not_queued_again_when_a_later_frame_f
         assert not sender._send_changes()
         requeued = agent.take_events(4 * MAX_ITEMS_PER_FRAME)
         assert (2, list(range(MAX_ITEMS_PER_FRAME, MAX_ITEMS_PER_FRAME + 500))) == (
-            len(sent), [e.fields["i"] for e in requeued])
+            len(sent),
+            [e.fields["i"] for e in requeued],
+        )
     finally:
         os.close(sender._wake_r)
         os.close(sender._wake_w)

@@ -49,9 +49,12 @@ def test_a_training_job_exports_its_counters_at_zero_then_counts_exactly() -> No
         assert not agent.reports()  # zeros alone must not make a process that never trains connect
         expected: dict[tuple[str, tuple[str, ...]], float] = {
             **{("backward_passes_total", (kind,)): 0.0 for kind in PASS_KINDS},
-            ("grad_nonfinite_passes_total", ()): 0.0, ("autograd_sampled_passes_total", ()): 0.0,
+            ("grad_nonfinite_passes_total", ()): 0.0,
+            ("autograd_sampled_passes_total", ()): 0.0,
             **{("agent_events_dropped_total", (reason,)): 0.0 for reason in DROP_REASONS},
-            ("agent_probe_errors_total", ("optimizer",)): 0.0, ("agent_probe_errors_total", ("autograd",)): 0.0}
+            ("agent_probe_errors_total", ("optimizer",)): 0.0,
+            ("agent_probe_errors_total", ("autograd",)): 0.0,
+        }
         assert expected == {key: value for key, value in before.items() if key[0].endswith("_total")}
         model = torch.nn.Linear(4, 3)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -60,11 +63,18 @@ def test_a_training_job_exports_its_counters_at_zero_then_counts_exactly() -> No
         _step(model, optimizer, nan=True)
         _step(model, optimizer)  # the non-finite check of a pass is read back at a later pass
         agent.drain()
-        assert ({("backward",): 5.0, ("grad",): 0.0, ("compiled_autograd",): 0.0, ("reentrant",): 0.0},
-                1.0, (4.0, 0.0)) == (
-            _series(agent, "backward_passes_total"), agent.store.value("grad_nonfinite_passes_total"),
-            (agent.store.value("optimizer_steps_total", ("SGD#0",)),
-             agent.store.value("optimizer_step_errors_total", ("SGD#0",))))
+        assert (
+            {("backward",): 5.0, ("grad",): 0.0, ("compiled_autograd",): 0.0, ("reentrant",): 0.0},
+            1.0,
+            (4.0, 0.0),
+        ) == (
+            _series(agent, "backward_passes_total"),
+            agent.store.value("grad_nonfinite_passes_total"),
+            (
+                agent.store.value("optimizer_steps_total", ("SGD#0",)),
+                agent.store.value("optimizer_step_errors_total", ("SGD#0",)),
+            ),
+        )
     finally:
         agent.shutdown()
 
@@ -86,16 +96,20 @@ def test_an_optimizer_s_counters_start_at_zero_when_it_is_first_seen() -> None:
         optimizer = Flaky([torch.zeros(2, requires_grad=True)], lr=0.1)
         optimizer.step()
         agent.drain()
-        assert (1.0, 0.0) == (agent.store.value("optimizer_steps_total", ("Flaky#0",)),
-                              agent.store.value("optimizer_step_errors_total", ("Flaky#0",)))
+        assert (1.0, 0.0) == (
+            agent.store.value("optimizer_steps_total", ("Flaky#0",)),
+            agent.store.value("optimizer_step_errors_total", ("Flaky#0",)),
+        )
         optimizer.explode = True
         with pytest.raises(RuntimeError):
             optimizer.step()
         optimizer.explode = False
         optimizer.step()  # the pre-hook of the next step sees that the previous one never finished
         agent.drain()
-        assert (2.0, 1.0) == (agent.store.value("optimizer_steps_total", ("Flaky#0",)),
-                              agent.store.value("optimizer_step_errors_total", ("Flaky#0",)))
+        assert (2.0, 1.0) == (
+            agent.store.value("optimizer_steps_total", ("Flaky#0",)),
+            agent.store.value("optimizer_step_errors_total", ("Flaky#0",)),
+        )
     finally:
         agent.shutdown()
 
@@ -107,8 +121,10 @@ def test_a_disabled_check_or_sampling_exports_no_zero_and_switching_sampling_on_
         model = torch.nn.Linear(4, 1)
         model(torch.ones(1, 4)).sum().backward()
         agent.drain()
-        assert (None, None) == (agent.store.value("grad_nonfinite_passes_total"),
-                                agent.store.value("autograd_sampled_passes_total"))
+        assert (None, None) == (
+            agent.store.value("grad_nonfinite_passes_total"),
+            agent.store.value("autograd_sampled_passes_total"),
+        )
         agent.probes["autograd"].set_sample_every(2)
         model(torch.ones(1, 4)).sum().backward()  # applies the setting; its countdown is still running
         agent.drain()
@@ -133,8 +149,11 @@ def test_reinstall_and_resend_keep_running_totals() -> None:
         agent.store.mark_all_dirty()  # what the sender does after a reconnect
         batch = _first_batch(agent)
         assert (3.0, 1.0, 2.0, 0.0) == (
-            batch[("backward_passes_total", ("backward",))], batch[("grad_nonfinite_passes_total", ())],
-            batch[("optimizer_steps_total", ("SGD#0",))], batch[("optimizer_step_errors_total", ("SGD#0",))])
+            batch[("backward_passes_total", ("backward",))],
+            batch[("grad_nonfinite_passes_total", ())],
+            batch[("optimizer_steps_total", ("SGD#0",))],
+            batch[("optimizer_step_errors_total", ("SGD#0",))],
+        )
     finally:
         agent.shutdown()
 
@@ -165,8 +184,9 @@ agent.shutdown()
 
 
 def _late_dynamo_job(device: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", LATE_DYNAMO_JOB, device], cwd=REPO, capture_output=True,
-                         text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", LATE_DYNAMO_JOB, device], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
     assert 0 == out.returncode, out.stderr[-3000:]
     return out.stdout.strip().splitlines()
 
@@ -178,9 +198,17 @@ def test_compile_zeros_wait_for_dynamo_and_cudagraph_zeros_for_the_tree_module_o
     nothing = "[] []"
     frames_at_zero = "[('compile_frames_total', ('failed',), 0.0), ('compile_frames_total', ('ok',), 0.0)] []"
     counted = "[('compile_frames_total', ('failed',), 0.0), ('compile_frames_total', ('ok',), 2.0)]"
-    cudagraph_families = sorted(["cudagraph_skips_total", "cudagraph_rerecords_total", "cudagraph_recordings_total",
-                                 "cudagraph_warmups_total", "cudagraph_rerecord_limit_hits_total",
-                                 "cudagraph_dynamic_shape_warnings_total", "cudagraph_nonstatic_input_copies_total"])
+    cudagraph_families = sorted(
+        [
+            "cudagraph_skips_total",
+            "cudagraph_rerecords_total",
+            "cudagraph_recordings_total",
+            "cudagraph_warmups_total",
+            "cudagraph_rerecord_limit_hits_total",
+            "cudagraph_dynamic_shape_warnings_total",
+            "cudagraph_nonstatic_input_copies_total",
+        ]
+    )
     cuda_zeros = f"{len(CUDAGRAPH_SKIP_REASONS) + len(RERECORD_REASONS) + 5} {cudagraph_families}"
     assert [nothing, frames_at_zero, cuda_zeros, counted] == _late_dynamo_job("cuda")
     # A CPU-only process records no CUDA graph: its skips are counted from their first one.

@@ -167,8 +167,13 @@ EXPECTED_CONFIG: dict[str, dict[str, Any]] = {
         "textfile": "",
         "textfile_interval_seconds": 15,
     },
-    "runs": {"grace_period_seconds": 300, "lost_grace_period_seconds": 3600, "series_limit_per_run": 5000,
-             "max_runs": 1000, "max_ranks_per_run": 1024},
+    "runs": {
+        "grace_period_seconds": 300,
+        "lost_grace_period_seconds": 3600,
+        "series_limit_per_run": 5000,
+        "max_runs": 1000,
+        "max_ranks_per_run": 1024,
+    },
     "checkpoints": {
         "roots": [],
         "level": "data",

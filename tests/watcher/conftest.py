@@ -24,8 +24,19 @@ from torchpulse.demo import crash_an_overwrite
 if TYPE_CHECKING:
     from tests.watcher.test_service import FakeWorker
 
-__all__ = ["CLONE_NEWNS", "SAVE_SCRIPT", "enter_user_namespace", "file_modes_bind", "idle", "rewrite_a_shard",
-           "run_ranks", "run_service", "save_single", "shut_out", "tried"]
+__all__ = [
+    "CLONE_NEWNS",
+    "SAVE_SCRIPT",
+    "enter_user_namespace",
+    "file_modes_bind",
+    "idle",
+    "rewrite_a_shard",
+    "run_ranks",
+    "run_service",
+    "save_single",
+    "shut_out",
+    "tried",
+]
 PR_CAPBSET_DROP = 24
 # Root passes every permission check through these two; without them, file modes bind it as any other user.
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
@@ -33,9 +44,11 @@ NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 
 
-def run_service(tmp_path: Path, config: CheckpointsConfig,
-                body: Callable[[CheckpointService], Awaitable[None]]) -> None:
+def run_service(
+    tmp_path: Path, config: CheckpointsConfig, body: Callable[[CheckpointService], Awaitable[None]]
+) -> None:
     """Run `body` against a started CheckpointService (state in tmp_path/state), closed afterwards."""
+
     async def main() -> None:
         (tmp_path / "state").mkdir(exist_ok=True)
         service = CheckpointService(config, tmp_path / "state")
@@ -108,8 +121,13 @@ def shut_out(path: Path, mode: int = 0o700) -> None:
 
 def save_single(out: Path) -> None:
     """One real single-process DCP save into `out` (its own process, like a job)."""
-    subprocess.run([sys.executable, str(SAVE_SCRIPT), "single", str(out)], check=True, timeout=120,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(SAVE_SCRIPT), "single", str(out)],
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,16 @@ from torchpulse.daemon.config import ConfigError, from_mapping
 
 def test_sample_config_keys_parse_to_the_documented_defaults() -> None:
     """The keys of systemd/torchpulse.toml parse to the dataclass defaults."""
-    table = {"roots": [], "level": "data", "observer": "auto", "poll_interval_seconds": 5,
-             "incomplete_after_seconds": 1800, "max_concurrent_validations": 1,
-             "validation_timeout_seconds": 600, "validation_memory_limit_bytes": 4294967296}
+    table = {
+        "roots": [],
+        "level": "data",
+        "observer": "auto",
+        "poll_interval_seconds": 5,
+        "incomplete_after_seconds": 1800,
+        "max_concurrent_validations": 1,
+        "validation_timeout_seconds": 600,
+        "validation_memory_limit_bytes": 4294967296,
+    }
     assert CheckpointsConfig() == parse(table)
 
 

@@ -30,7 +30,8 @@ def _identity(path: Path) -> tuple[int, int]:
 
 
 def test_the_agent_sends_the_identity_of_the_saved_directory_for_the_rank_that_asks_for_validation(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     assert _identity(tmp_path) == directory_identity(str(tmp_path), True)
     assert (None, None, None, None) == (
         directory_identity(str(tmp_path), False),  # other ranks validate nothing
@@ -42,8 +43,10 @@ def test_the_agent_sends_the_identity_of_the_saved_directory_for_the_rank_that_a
 
 def test_an_announcement_of_an_older_agent_has_no_identity_and_a_partial_one_counts_as_none() -> None:
     fields: dict[str, FieldValue] = {"path": "/ck", "api": "save", "duration_seconds": 1.0, "validate": True}
-    identities = [checkpoint_saved(LogEvent(0.0, "info", CHECKPOINT_SAVED_EVENT, {**fields, **extra}))
-                  for extra in ({}, {"device": 66, "inode": 7}, {"device": 66})]
+    identities = [
+        checkpoint_saved(LogEvent(0.0, "info", CHECKPOINT_SAVED_EVENT, {**fields, **extra}))
+        for extra in ({}, {"device": 66, "inode": 7}, {"device": 66})
+    ]
     assert [None, (66, 7), None] == [saved.identity() if saved else "malformed" for saved in identities]
     assert checkpoint_saved(LogEvent(0.0, "info", CHECKPOINT_SAVED_EVENT, {**fields, "inode": "7"})) is None
 
@@ -61,8 +64,9 @@ def test_a_path_that_names_another_directory_here_than_in_the_job_is_refused(tmp
     # Root's announcements skip the ownership checks, not this one: a container's root is the host's root.
     assert announcement_refused(str(other), 0, _identity(saved)) == refused
     missing = announcement_refused(str(tmp_path / "only-in-the-job"), uid, _identity(saved))
-    assert missing is not None and missing.startswith("cannot be resolved: No such file or directory (if the job "
-                                                      "runs in a container")
+    assert missing is not None and missing.startswith(
+        "cannot be resolved: No such file or directory (if the job runs in a container"
+    )
 
 
 def _in_mount_namespace(source: Path, target: Path) -> Callable[[], None]:
@@ -87,13 +91,15 @@ def _in_mount_namespace(source: Path, target: Path) -> Callable[[], None]:
 
 
 def _announce_in_namespace(daemon: DaemonProcess, out: Path, preexec: Callable[[], None]) -> None:
-    subprocess.run([sys.executable, str(ANNOUNCE_JOB), str(out)], env=daemon.env(), check=True, timeout=120,
-                   preexec_fn=preexec)
+    subprocess.run(
+        [sys.executable, str(ANNOUNCE_JOB), str(out)], env=daemon.env(), check=True, timeout=120, preexec_fn=preexec
+    )
 
 
 @pytest.mark.slow
 def test_a_container_that_mounts_its_checkpoints_elsewhere_on_the_host_gets_no_unrelated_directory_validated(
-        tmp_path: Path, stopper: list[DaemonProcess], saved_checkpoint: Path) -> None:
+    tmp_path: Path, stopper: list[DaemonProcess], saved_checkpoint: Path
+) -> None:
     """The container's /ckpts is the host's volume/ckpts; the host's own /ckpts holds another checkpoint.
 
     Without the identity the daemon validated the host's unrelated `ckpts/step-1`, valid, as the job's save."""
@@ -122,13 +128,23 @@ def test_a_container_that_mounts_its_checkpoints_elsewhere_on_the_host_gets_no_u
 
 @pytest.mark.slow
 def test_a_container_that_mounts_its_checkpoints_at_their_host_path_gets_them_validated(
-        tmp_path: Path, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, stopper: list[DaemonProcess]
+) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     preexec = _in_mount_namespace(shared, shared)  # `-v /shared:/shared`
     daemon = start_daemon(tmp_path)
     stopper.append(daemon)
     _announce_in_namespace(daemon, shared / "step-1", preexec)
-    wait_for(lambda: 1 == sum(select(daemon.scrape(), "torchpulse_checkpoint_validations_total", root=str(shared),
-                                     status="valid").values()), timeout=60)
+    wait_for(
+        lambda: (
+            1
+            == sum(
+                select(
+                    daemon.scrape(), "torchpulse_checkpoint_validations_total", root=str(shared), status="valid"
+                ).values()
+            )
+        ),
+        timeout=60,
+    )
     assert [] == [line for line in daemon.log_lines() if line.get("event") == REFUSED]

@@ -54,7 +54,8 @@ def _hugging_face_files(root: Path) -> None:
     sharded.mkdir()
     save_file(weights, str(sharded / "model-00001-of-00001.safetensors"))
     (sharded / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"linear.weight": "model-00001-of-00001.safetensors"}}))
+        json.dumps({"weight_map": {"linear.weight": "model-00001-of-00001.safetensors"}})
+    )
     torch.save(weights, root / "model_final.pt")
     (root / "tensorboard").mkdir()
     (root / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"\0" * 64)
@@ -75,8 +76,9 @@ def test_hugging_face_and_plain_torch_files_are_neither_incomplete_nor_broken(tm
     _hugging_face_files(root)
     for item in root.rglob("*"):
         os.utime(item, (time.time() - 60, time.time() - 60))
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=0.5,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=0.5, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         service.announce("run", 0, CheckpointSaved(str(root / "final"), "save", 0.1, True))
@@ -84,8 +86,11 @@ def test_hugging_face_and_plain_torch_files_are_neither_incomplete_nor_broken(tm
             await service.sweep()
         await asyncio.sleep(0.3)  # a validation would have started by now
         await _until(lambda: not service._in_flight and not service._pending)
-        assert ({}, 0, None) == (_validations(service, root), service.stats.root(str(root)).incomplete,
-                                 service.stats.root(str(root)).last_status)
+        assert ({}, 0, None) == (
+            _validations(service, root),
+            service.stats.root(str(root)).incomplete,
+            service.stats.root(str(root)).last_status,
+        )
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
@@ -93,12 +98,12 @@ def test_hugging_face_and_plain_torch_files_are_neither_incomplete_nor_broken(tm
     assert [str(root / name) for name in ("checkpoint-1000", "checkpoint-500", "final")] == told
 
 
-def test_retention_deleting_an_old_checkpoint_is_not_an_incomplete_save(
-        tmp_path: Path, saved_checkpoint: Path) -> None:
+def test_retention_deleting_an_old_checkpoint_is_not_an_incomplete_save(tmp_path: Path, saved_checkpoint: Path) -> None:
     """Retention removes `.metadata` first and the hour-old shards slowly: not reported incomplete meanwhile."""
     root = tmp_path / "root"
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=5.0,
-                               debounce_seconds=0.0, level="metadata")
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=5.0, debounce_seconds=0.0, level="metadata"
+    )
     old = root / "step-10"
     commit_copy(saved_checkpoint, old)
     _age(old, 3600)
@@ -113,14 +118,18 @@ def test_retention_deleting_an_old_checkpoint_is_not_an_incomplete_save(
         await _until(lambda: not service._in_flight and not service._pending)
         shutil.rmtree(old)
         await service.sweep()
-        assert ({"valid": 1}, "valid", 0) == (_validations(service, root), service.stats.root(str(root)).last_status,
-                                              service.stats.root(str(root)).incomplete)
+        assert ({"valid": 1}, "valid", 0) == (
+            _validations(service, root),
+            service.stats.root(str(root)).last_status,
+            service.stats.root(str(root)).incomplete,
+        )
 
     run_service(tmp_path, config, body)
 
 
 def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save_commits(
-        tmp_path: Path, saved_checkpoint: Path) -> None:
+    tmp_path: Path, saved_checkpoint: Path
+) -> None:
     """The next save into the same directory rewrites the shards under the old `.metadata` while the worker reads
     them: no error, no invalid, neither from that validation nor from a sweep; the commit is validated."""
     root = tmp_path / "root"
@@ -147,14 +156,16 @@ def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save
 
 
 def test_an_overwrite_in_place_that_crashed_under_a_validated_metadata_turns_the_root_invalid(
-        tmp_path: Path, saved_checkpoint: Path) -> None:
+    tmp_path: Path, saved_checkpoint: Path
+) -> None:
     """`latest/` was validated; the next save rewrote a shard and crashed before its `.metadata`. Once the shards
     have been quiet for incomplete_after_seconds, the root's last status is invalid (TP-CKPT-004), validated once;
     the save after it, committed, makes it valid again."""
     root = tmp_path / "root"
     ckpt = root / "latest"
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=1.5,
-                               debounce_seconds=0.0, level="metadata")
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=1.5, debounce_seconds=0.0, level="metadata"
+    )
 
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))
@@ -181,13 +192,13 @@ def test_an_overwrite_in_place_that_crashed_under_a_validated_metadata_turns_the
     run_service(tmp_path, config, body)
 
 
-def test_a_latest_symlink_on_a_polled_root_is_not_a_second_checkpoint(
-        tmp_path: Path, saved_checkpoint: Path) -> None:
+def test_a_latest_symlink_on_a_polled_root_is_not_a_second_checkpoint(tmp_path: Path, saved_checkpoint: Path) -> None:
     """A polled root is walked like inotify watches it: `latest -> step-N` is not validated again under `latest`."""
     root = tmp_path / "root"
     root.mkdir()
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1,
-                               debounce_seconds=0.0, level="metadata")
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1, debounce_seconds=0.0, level="metadata"
+    )
 
     async def body(service: CheckpointService) -> None:
         for step in (1, 2):

@@ -23,7 +23,7 @@ from torchpulse.daemon.checkpoint_state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT, Batch, CheckpointSaved, Goodbye, Hello, LogEvent, encode
 
 pytestmark = pytest.mark.slow
-FOLDED = "too many announced checkpoint roots; this one is validated but not watched and its metrics use root=\"other\""
+FOLDED = 'too many announced checkpoint roots; this one is validated but not watched and its metrics use root="other"'
 
 
 def _config(tmp_path: Path, body: str) -> Path:
@@ -35,9 +35,15 @@ def _config(tmp_path: Path, body: str) -> Path:
 
 def _announce(daemon: DaemonProcess, *paths: Path) -> None:
     """Announce `paths` as rank 0's saves over the agent socket, as the checkpoint probe does."""
-    events = [LogEvent(time.time(), "info", CHECKPOINT_SAVED_EVENT,
-                       {"path": str(path), "api": "save", "duration_seconds": 1.0, "validate": True})
-              for path in paths]
+    events = [
+        LogEvent(
+            time.time(),
+            "info",
+            CHECKPOINT_SAVED_EVENT,
+            {"path": str(path), "api": "save", "duration_seconds": 1.0, "validate": True},
+        )
+        for path in paths
+    ]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(str(daemon.socket_path))
@@ -48,8 +54,11 @@ def _announce(daemon: DaemonProcess, *paths: Path) -> None:
 
 def _roots(daemon: DaemonProcess) -> set[str]:
     """Root labels on any checkpoint series of /metrics."""
-    return {dict(labels)["root"] for (name, labels) in daemon.scrape()
-            if name.startswith("torchpulse_checkpoint_") and "root" in dict(labels)}
+    return {
+        dict(labels)["root"]
+        for (name, labels) in daemon.scrape()
+        if name.startswith("torchpulse_checkpoint_") and "root" in dict(labels)
+    }
 
 
 def _valid(daemon: DaemonProcess, root: str) -> float:
@@ -64,8 +73,9 @@ def _rows(state_dir: Path, sql: str) -> list[str]:
         db.close()
 
 
-def _two_jobs(tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess],
-              settings: str) -> tuple[DaemonProcess, Path, Path]:
+def _two_jobs(
+    tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess], settings: str
+) -> tuple[DaemonProcess, Path, Path]:
     """A daemon with these [checkpoints] settings, and a committed checkpoint in each of two jobs' directories."""
     job_a, job_b = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
     commit_copy(saved_checkpoint, job_a)
@@ -76,11 +86,13 @@ def _two_jobs(tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProces
 
 
 def test_expired_roots_leave_metrics_and_the_state_file_and_other_expires_too(
-        tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]
+) -> None:
     """Job A gets the one slot, job B folds into "other"; past the TTL neither is exported, and once their
     directories are deleted no row of them is kept (before, each kept its newest row forever)."""
-    daemon, job_a, job_b = _two_jobs(tmp_path, saved_checkpoint, stopper,
-                                     "max_announced_roots = 1\nannounced_root_ttl_seconds = 4\n")
+    daemon, job_a, job_b = _two_jobs(
+        tmp_path, saved_checkpoint, stopper, "max_announced_roots = 1\nannounced_root_ttl_seconds = 4\n"
+    )
     _announce(daemon, job_a, job_b)
     wait_for(lambda: 1 == _valid(daemon, str(job_a.parent)) == _valid(daemon, "other"), timeout=30)
     # "other" says when a job last saved there, as announced roots do: NoValidCheckpointRecently leaves it alone.
@@ -102,7 +114,8 @@ def test_expired_roots_leave_metrics_and_the_state_file_and_other_expires_too(
 
 
 def test_lowering_max_announced_roots_on_reload_drops_the_oldest_roots(
-        tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]
+) -> None:
     """A reload applies max_announced_roots at once: the root announced longest ago stops being watched, its
     series and its stored row go (before, it stayed watched, and its row stayed in the file for good)."""
     daemon, job_a, job_b = _two_jobs(tmp_path, saved_checkpoint, stopper, "max_announced_roots = 2\n")
@@ -118,7 +131,8 @@ def test_lowering_max_announced_roots_on_reload_drops_the_oldest_roots(
 
 
 def test_a_folded_directory_configured_later_is_exported_under_its_own_name(
-        tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]
+) -> None:
     """A directory once folded into "other" and then added to the config is a root like any other (before,
     every series of it said root="other" for the rest of the daemon's life)."""
     job = tmp_path / "job"
@@ -130,8 +144,10 @@ def test_a_folded_directory_configured_later_is_exported_under_its_own_name(
     wait_for(lambda: 1 == _valid(daemon, "other"), timeout=30)
     config.write_text(config.read_text() + f'roots = ["{job}"]\n')
     daemon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: 1 == sum(select(daemon.scrape(), "torchpulse_checkpoint_root_readable", root=str(job)).values()),
-             timeout=15)
+    wait_for(
+        lambda: 1 == sum(select(daemon.scrape(), "torchpulse_checkpoint_root_readable", root=str(job)).values()),
+        timeout=15,
+    )
     commit_copy(saved_checkpoint, job / "step-2")
     wait_for(lambda: 1 == _valid(daemon, str(job)), timeout=30)
     assert 1 == _valid(daemon, "other")
@@ -145,8 +161,9 @@ def test_the_warning_about_folded_directories_remembers_a_bounded_number_of_them
 
     async def main() -> None:
         (tmp_path / "state").mkdir()
-        service = CheckpointService(CheckpointsConfig(max_announced_roots=0, debounce_seconds=3600.0),
-                                    tmp_path / "state")
+        service = CheckpointService(
+            CheckpointsConfig(max_announced_roots=0, debounce_seconds=3600.0), tmp_path / "state"
+        )
         await service.start()
         try:
             with capture_logs() as logs:
@@ -156,7 +173,9 @@ def test_the_warning_about_folded_directories_remembers_a_bounded_number_of_them
             await service.close()
         warned = [str(line["root"]) for line in logs if line["event"] == FOLDED]
         assert (MAX_LOGGED_ONCE + 2, [str(first.parent)] * 2) == (
-            len(warned), [root for root in warned if root == str(first.parent)])
+            len(warned),
+            [root for root in warned if root == str(first.parent)],
+        )
 
     asyncio.run(main())
 

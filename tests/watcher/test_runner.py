@@ -37,19 +37,25 @@ def test_a_flood_on_both_pipes_is_capped_and_the_last_json_line_still_read(monke
     """16 MiB of noise on stdout and stderr each, then the result: the daemon keeps about 1 MiB of it."""
     monkeypatch.setattr(checkpoint_runner, "MAX_OUTPUT_BYTES", MIB)
     result = ValidationResult("/ckpt", Status.VALID, Level.DATA, (), {"bytes": 7})
-    _worker_writing(monkeypatch, "import sys\n"
-                    "for _ in range(16):\n"
-                    "    sys.stderr.write('e' * (1 << 20)); sys.stdout.write(('o' * 1023 + '\\n') * 1024)\n"
-                    f"sys.stdout.write({json.dumps(result.to_json())!r} + '\\n\\n')\n")
+    _worker_writing(
+        monkeypatch,
+        "import sys\n"
+        "for _ in range(16):\n"
+        "    sys.stderr.write('e' * (1 << 20)); sys.stdout.write(('o' * 1023 + '\\n') * 1024)\n"
+        f"sys.stdout.write({json.dumps(result.to_json())!r} + '\\n\\n')\n",
+    )
     got, peak = _validate_traced()
     assert (Status.VALID, 7) == (got.status, got.stats["bytes"])
     assert peak < 4 * MIB
 
 
 def test_a_failing_worker_reports_the_last_line_of_its_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
-    _worker_writing(monkeypatch, "import sys\n"
-                    "sys.stderr.write('x' * (1 << 20) + '\\nTraceback...\\nMemoryError: out of memory\\n')\n"
-                    "sys.exit(1)\n")
+    _worker_writing(
+        monkeypatch,
+        "import sys\n"
+        "sys.stderr.write('x' * (1 << 20) + '\\nTraceback...\\nMemoryError: out of memory\\n')\n"
+        "sys.exit(1)\n",
+    )
     got, peak = _validate_traced()
     assert (Status.ERROR, "worker failed: MemoryError: out of memory") == (got.status, got.findings[0].message)
     assert peak < 1 * MIB
@@ -81,6 +87,8 @@ def test_more_findings_than_the_output_cap_holds_are_summarised_not_a_failed_wor
     omitted = chunks - MAX_FINDINGS_PER_RULE
     assert (Status.INVALID, MAX_FINDINGS_PER_RULE + 1) == (result.status, len(listed)), result.findings[:1]
     assert (Severity.ERROR, f"... and {omitted:,} more findings of this rule omitted") == (
-        listed[-1].severity, listed[-1].message)
+        listed[-1].severity,
+        listed[-1].message,
+    )
     assert chunks == result.finding_counts()[("TP-CKPT-009", "error")]
     assert len(json.dumps(result.to_json())) < MIB

@@ -73,7 +73,8 @@ def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
 
 
 def test_events_and_announcements_for_one_checkpoint_validate_it_once(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """A commit event, a sweep and two announcements of the same checkpoint make one validation."""
     root = tmp_path / "root"
     root.mkdir()
@@ -93,12 +94,14 @@ def test_events_and_announcements_for_one_checkpoint_validate_it_once(
 
 
 def test_validations_never_exceed_the_concurrency_limit(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """Five checkpoints committed together run two at a time and all get validated."""
     root = tmp_path / "root"
     root.mkdir()
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), max_concurrent_validations=2,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), max_concurrent_validations=2, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         for step in range(5):
@@ -110,7 +113,8 @@ def test_validations_never_exceed_the_concurrency_limit(
 
 
 def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """State in SQLite: after a restart only the checkpoint committed while down is validated."""
     root = tmp_path / "root"
     root.mkdir()
@@ -132,8 +136,7 @@ def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
     assert [str(root / "step-1"), str(root / "step-2")] == worker.calls
 
 
-def test_an_overwrite_in_place_is_validated_again(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+def test_an_overwrite_in_place_is_validated_again(tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
     """A new `.metadata` (new inode) in a validated directory is a new checkpoint."""
     root = tmp_path / "root"
     root.mkdir()
@@ -175,14 +178,16 @@ def test_the_key_of_a_checkpoint_names_data_written_after_its_metadata(tmp_path:
 
 
 def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_quiet(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """A validated `latest/` whose overwrite in place crashed (new shards, old `.metadata`): left alone while the
     shards are recent, validated once (here invalid) when they have been quiet, not again by later sweeps; the
     next save that commits is validated again."""
     root = tmp_path / "root"
     ckpt = root / "latest"
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))
@@ -208,22 +213,23 @@ def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_qu
         shutil.copyfile(saved_checkpoint / ".metadata", ckpt / ".metadata.tmp")
         (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the next save commits
         await _until(lambda: stats.last_status == "valid")
-        assert ({"valid": 2, "invalid": 1}, 3) == ({k: n for k, n in stats.validations.items() if n},
-                                                   len(worker.calls))
+        assert ({"valid": 2, "invalid": 1}, 3) == ({k: n for k, n in stats.validations.items() if n}, len(worker.calls))
 
     run_service(tmp_path, config, body)
     assert [str(ckpt)] * 3 == worker.calls
 
 
 def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """Removing the root is a logged event, not a crash; once recreated its checkpoints are validated."""
     from structlog.testing import capture_logs
 
     root = tmp_path / "root"
     root.mkdir()
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2,
-                               debounce_seconds=0.05)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2, debounce_seconds=0.05
+    )
 
     async def body(service: CheckpointService) -> None:
         await asyncio.sleep(0.2)
@@ -241,7 +247,8 @@ def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(
 
 
 def test_announced_roots_past_the_cap_fold_into_other(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """Rank 0 announcements add parent roots up to the cap; later ones are validated under root="other"."""
     config = CheckpointsConfig(max_announced_roots=1, debounce_seconds=0.0)
     first, second = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
@@ -268,7 +275,8 @@ class Clock:
 
 
 def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """A job that stopped saving loses its watched root (series too), persistently; a new job gets the slot."""
     config = CheckpointsConfig(max_announced_roots=1, debounce_seconds=0.0, announced_root_ttl_seconds=100.0)
     first, second = tmp_path / "jobA" / "step-1", tmp_path / "jobB" / "step-1"
@@ -295,8 +303,12 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
             assert [] == service.roots()
             assert str(first.parent) not in service.stats.roots
             service.announce("b", 0, CheckpointSaved(str(second), "save", 1.0, True))
-            await _until(lambda: str(second.parent) in service.stats.roots
-                         and service.stats.roots[str(second.parent)].validations["valid"] == 1)
+            await _until(
+                lambda: (
+                    str(second.parent) in service.stats.roots
+                    and service.stats.roots[str(second.parent)].validations["valid"] == 1
+                )
+            )
         finally:
             await service.close()
         # After a restart: job B's root is back (and job A's, validated before, is not).
@@ -318,7 +330,8 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
 
 
 def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     root = tmp_path / "ckpts"
     commit_copy(saved_checkpoint, root / "step-1")
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)
@@ -358,7 +371,8 @@ def test_a_state_database_from_before_the_ttl_keeps_its_announced_roots(tmp_path
 
 
 def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """The state file follows the job's retention; the newest and newest valid records restore series."""
     from torchpulse.daemon.checkpoint_state import StateStore
 
@@ -394,7 +408,8 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
 
 
 def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
-        tmp_path: Path, saved_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, saved_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker lists 1,000 of 150,000 findings and a summary: the series and the log say 150,000."""
     from structlog.testing import capture_logs
 
@@ -402,8 +417,9 @@ def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
     listed.append(Finding("TP-CKPT-009", Severity.ERROR, "", "... and 149,000 more findings of this rule omitted"))
 
     async def capped_worker(path: str, level: Level, limits: Limits) -> ValidationResult:
-        return ValidationResult(path, Status.INVALID, level, tuple(listed), {"bytes": 10},
-                                counts={("TP-CKPT-009", "error"): 150_000})
+        return ValidationResult(
+            path, Status.INVALID, level, tuple(listed), {"bytes": 10}, counts={("TP-CKPT-009", "error"): 150_000}
+        )
 
     monkeypatch.setattr(checkpoint_runner, "validate", capped_worker)
     root = tmp_path / "root"
@@ -416,7 +432,8 @@ def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
         collected = CheckpointCollector(service.stats).collect()
         family = next(m for m in collected if m.name == "torchpulse_checkpoint_findings")
         assert [({"root": str(root), "rule": "TP-CKPT-009", "severity": "error"}, 150_000.0)] == [
-            (s.labels, s.value) for s in family.samples]
+            (s.labels, s.value) for s in family.samples
+        ]
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
@@ -439,15 +456,17 @@ class GatedWorker(FakeWorker):
 
 
 def test_saves_faster_than_validations_validate_the_newest_checkpoint_next(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three saves committed during a long validation: the newest is validated next, the backlog after it."""
     worker = GatedWorker()
     monkeypatch.setattr(checkpoint_runner, "validate", worker)
     root = tmp_path / "root"
     root.mkdir()
     # Polled once an hour: the announcements alone say what was committed, in this order.
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=3600.0,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=3600.0, debounce_seconds=0.0
+    )
     steps = [root / f"step-{n}" for n in range(1, 5)]
 
     async def body(service: CheckpointService) -> None:
@@ -467,7 +486,8 @@ def test_saves_faster_than_validations_validate_the_newest_checkpoint_next(
 
 
 def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_to_spare(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With two validation slots, the re-validation of a checkpoint rewritten under the first one is not lost."""
     step = tmp_path / "root" / "step-1"
     _tiny_checkpoint(step)
@@ -481,8 +501,12 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
 
     worker = OverwritingWorker()
     monkeypatch.setattr(checkpoint_runner, "validate", worker)
-    config = CheckpointsConfig(roots=(RootConfig(str(step.parent), "polling"),), poll_interval_seconds=3600.0,
-                               max_concurrent_validations=2, debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(step.parent), "polling"),),
+        poll_interval_seconds=3600.0,
+        max_concurrent_validations=2,
+        debounce_seconds=0.0,
+    )
 
     async def body(service: CheckpointService) -> None:
         await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
@@ -493,7 +517,8 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
 
 
 def test_deleting_the_latest_checkpoint_makes_the_newest_one_left_the_latest(
-        tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
+) -> None:
     """An operator deletes the invalid newest checkpoint (as CheckpointInvalid asks): the root's status is its
     newest remaining checkpoint's at the next sweep, and with none left no status is exported (before: the
     deleted checkpoint's status and findings stayed until the next save, across restarts too)."""

@@ -84,7 +84,8 @@ def _remove_deep_tree(parent: Path, depth: int = TOO_DEEP) -> None:
 # -- 1: hostile announced paths -------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["/ckpt/job\x00x/step-1", "/ckpt/job\ud800/step-1", "relative/step-1", "/"])
 def test_an_unusable_announced_path_is_refused_once_and_never_stored(
-        tmp_path: Path, worker: FakeWorker, bad: str) -> None:
+    tmp_path: Path, worker: FakeWorker, bad: str
+) -> None:
     """A NUL byte, a lone surrogate, a relative path, `/`: logged once, no exception, no root, sweeps work."""
     good = tmp_path / "job" / "step-1"
     _tiny_checkpoint(good)
@@ -108,8 +109,10 @@ def test_an_unusable_announced_path_is_refused_once_and_never_stored(
 
 
 def test_saves_to_a_url_are_skipped_with_one_line_per_run_not_one_warning_per_save(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """The probe sends fsspec URLs on as they are (documented: the daemon ignores them)."""
+
     async def body(service: CheckpointService) -> None:
         for step in range(3):
             service.announce("run", 0, _saved(f"s3://bucket/job/step-{step}"))
@@ -124,7 +127,8 @@ def test_saves_to_a_url_are_skipped_with_one_line_per_run_not_one_warning_per_sa
 
 
 def test_an_exception_in_announce_never_reaches_the_agent_server(
-        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def body(service: CheckpointService) -> None:
         def broken(path: str) -> str | None:
             raise RuntimeError("bug")
@@ -138,7 +142,8 @@ def test_an_exception_in_announce_never_reaches_the_agent_server(
 
 
 def test_unusable_announced_roots_stored_by_older_versions_are_forgotten_at_start(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """A NUL byte or `/` in the announced_roots table made every start raise; now they are dropped for good."""
     (tmp_path / "state").mkdir()
     good = tmp_path / "job"
@@ -171,8 +176,9 @@ def test_scans_and_watches_of_a_path_with_a_nul_byte_fail_softly(tmp_path: Path)
 
 
 # -- 2: trees too deep to walk, dead emitter threads -------------------------------------------------
-def _run_removing_deep_trees(tmp_path: Path, root: Path, config: CheckpointsConfig,
-                             body: Callable[[CheckpointService], Awaitable[None]]) -> list[dict[str, Any]]:
+def _run_removing_deep_trees(
+    tmp_path: Path, root: Path, config: CheckpointsConfig, body: Callable[[CheckpointService], Awaitable[None]]
+) -> list[dict[str, Any]]:
     """Run the service with captured logs; the deep tree goes, wherever the body left it."""
     try:
         with capture_logs() as logs:
@@ -199,8 +205,9 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
     root = tmp_path / "root"
     (root / "deep").mkdir(parents=True)
     _deep_tree(root / "deep")
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         assert service._watcher is not None
@@ -217,12 +224,14 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
 
 @pytest.mark.usefixtures("default_recursion_limit")
 def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """The polling thread's RecursionError loses the watch (not a silently dead thread); it comes back."""
     root = tmp_path / "root"
     root.mkdir()
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "polling"),), poll_interval_seconds=0.1, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         assert service._watcher is not None
@@ -258,7 +267,8 @@ def test_a_root_whose_emitter_thread_died_is_not_reported_watched(tmp_path: Path
 
 # -- 3: a checkpoint saved directly under / --------------------------------------------------------------
 def test_a_checkpoint_directly_under_the_filesystem_root_never_makes_it_a_root(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """`/ckpt` is validated (attempted: it does not exist here) without watching `/`; other jobs keep their roots."""
     top = "/torchpulse-test-no-such-checkpoint"
     job = tmp_path / "jobB" / "step-1"
@@ -280,7 +290,8 @@ def test_a_checkpoint_directly_under_the_filesystem_root_never_makes_it_a_root(
 
 # -- 4: a hung mount blocks neither the loop nor the other roots ------------------------------------------
 def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
-        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first snapshot and the scan of one root never return: start, SIGHUP, announcements and sweeps go on."""
     hung, good = tmp_path / "hung", tmp_path / "good"
     hung.mkdir()
@@ -303,8 +314,11 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
 
     monkeypatch.setattr(watcher._SafePollingEmitter, "on_thread_start", hanging_snapshot)
     monkeypatch.setattr(checkpoint_service, "scan", hanging_scan)
-    config = CheckpointsConfig(roots=(RootConfig(str(hung), "polling"), RootConfig(str(good), "polling")),
-                               poll_interval_seconds=0.1, debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(hung), "polling"), RootConfig(str(good), "polling")),
+        poll_interval_seconds=0.1,
+        debounce_seconds=0.0,
+    )
     gaps: list[float] = []
 
     async def main() -> None:
@@ -315,8 +329,7 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
             await asyncio.wait_for(service.start(), 5)
             assert service._watcher is not None
             assert {str(good): "polling"} == service._watcher.watched()
-            service.apply_config(CheckpointsConfig(roots=config.roots, poll_interval_seconds=0.2,
-                                                   debounce_seconds=0.0))
+            service.apply_config(CheckpointsConfig(roots=config.roots, poll_interval_seconds=0.2, debounce_seconds=0.0))
             _tiny_checkpoint(tmp_path / "job" / "step-1")
             service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
             _tiny_checkpoint(good / "step-1")
@@ -338,7 +351,8 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
 
 # -- 5: a state store that cannot be written -------------------------------------------------------------
 def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     root = tmp_path / "root"
     for step in range(3):
         _tiny_checkpoint(root / f"step-{step}")
@@ -358,7 +372,8 @@ def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep
 
 # -- 6: the inotify -> polling fallback is sticky and happens at the first watch too -----------------------
 def test_a_fallback_to_polling_survives_sighup_until_the_root_observer_changes(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)  # auto: inotify here
@@ -381,7 +396,8 @@ def test_a_fallback_to_polling_survives_sighup_until_the_root_observer_changes(
 
 
 def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
-        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "root"
     root.mkdir()
 
@@ -422,7 +438,8 @@ class WatchBudget:
 
 @pytest.mark.parametrize("existing", [0, 3], ids=["new-directory", "at-start"])
 def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
-        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch, existing: int) -> None:
+    tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch, existing: int
+) -> None:
     """watchdog ignores a subdirectory it cannot watch: ENOSPC there (at the first walk, or for a checkpoint
     directory created later) must still make the root polled, logged, and no checkpoint wait for a sweep."""
     root = tmp_path / "root"
@@ -473,7 +490,8 @@ def test_a_symlinked_root_into_an_nfs_mount_is_polled(tmp_path: Path, worker: Fa
 
 
 def test_a_symlinked_root_watched_with_inotify_sees_new_checkpoints_and_follows_a_repointed_link(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """inotify does not follow a symlinked root: the watch is on its target, events are reported under the link,
     and the link pointed elsewhere is followed from the next sweep on (no sweep finds these: they run every 60 s)."""
     first, second = tmp_path / "nvme-a" / "ckpt", tmp_path / "nvme-b" / "ckpt"
@@ -501,7 +519,8 @@ def test_a_symlinked_root_watched_with_inotify_sees_new_checkpoints_and_follows_
 
 # -- minor: dangling shard symlinks and directories named like shards -------------------------------------------
 def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_each_sweep(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     root = tmp_path / "root"
     with_dir, with_link, only_link = root / "stepA", root / "stepB", root / "stepC"
     for step in (with_dir, with_link, only_link):
@@ -514,8 +533,9 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
     os.utime(with_dir / "sub.distcp", (old + 10, old + 10))
     (with_link / "__1_0.distcp").symlink_to("/nonexistent")
     (only_link / "__0_0.distcp").symlink_to("/nonexistent")
-    config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), "inotify"),), incomplete_after_seconds=2.0, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         await _until(lambda: len(worker.calls) == 2)
@@ -531,7 +551,8 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
 
 
 def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
-        tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The watch-limit hook uses watchdog 7's private InotifyWatchGroup: if its shape differs, the root is
     watched by watchdog's own start (a commit is still seen at once) and the lost hook is said once."""
     from torchpulse.daemon import watcher as watcher_module
@@ -554,5 +575,10 @@ def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
-    assert 1 == len(_events(logs, "this watchdog's inotify internals differ: running out of inotify watches below "
-                                  "a root is noticed only by the periodic sweep"))
+    assert 1 == len(
+        _events(
+            logs,
+            "this watchdog's inotify internals differ: running out of inotify watches below "
+            "a root is noticed only by the periodic sweep",
+        )
+    )

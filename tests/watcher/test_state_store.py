@@ -23,7 +23,8 @@ PAGE = 4096  # sqlite's default page size: page 1 holds the header and the schem
 
 
 def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """The first query past page 1 failed the start; now the file is moved aside, the checkpoint validated once
     more and remembered in a new file."""
     root = tmp_path / "root"
@@ -59,13 +60,14 @@ def locked_state(tmp_path: Path) -> Iterator[Path]:
     state = tmp_path / "state"
     state.mkdir()
     StateStore(state).close()  # the daemon opens it fine, and then cannot write
-    script = ("import sqlite3, sys\n"
-              f"db = sqlite3.connect({str(state / DB_NAME)!r}, isolation_level=None)\n"
-              "db.execute('BEGIN IMMEDIATE')\n"
-              "print('locked', flush=True)\n"
-              "sys.stdin.read()\n")
-    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    script = (
+        "import sqlite3, sys\n"
+        f"db = sqlite3.connect({str(state / DB_NAME)!r}, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE')\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None
         assert "locked" == holder.stdout.readline().strip()
@@ -77,7 +79,8 @@ def locked_state(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.usefixtures("locked_state")
 def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
-        tmp_path: Path, worker: FakeWorker) -> None:
+    tmp_path: Path, worker: FakeWorker
+) -> None:
     """Each write waited 5 s for the lock on the event loop (metrics, agents, everything); now briefly, then it
     is logged and the result kept in memory."""
     step = tmp_path / "job" / "step-1"
@@ -98,8 +101,9 @@ def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
         run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
     assert [str(step)] == worker.calls
     assert max(gaps) < 2.5
-    assert ["database is locked"] == [entry["error"] for entry in logs
-                                      if entry["event"] == "cannot persist a checkpoint result"]
+    assert ["database is locked"] == [
+        entry["error"] for entry in logs if entry["event"] == "cannot persist a checkpoint result"
+    ]
 
 
 def _record(path: str) -> Record:
@@ -107,7 +111,8 @@ def _record(path: str) -> Record:
 
 
 def test_persistent_says_whether_results_reach_the_file_while_a_removed_one_cannot_be_written_again(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The state directory removed and a file put in its place: the result stays in memory and `persistent` (the
     daemon_state_persistent gauge) is False; once the path is free, the next write writes the file and it is True."""
     state = tmp_path / "state"
@@ -118,8 +123,13 @@ def test_persistent_says_whether_results_reach_the_file_while_a_removed_one_cann
         state.write_text("not a directory")
         with capture_logs() as logs:
             store.save(_record("/ckpt/step-1"))
-        assert (False, ["checkpoint state file was removed and cannot be written again; results are kept in memory "
-                        "until a restart"]) == (store.persistent, [e["event"] for e in logs])
+        assert (
+            False,
+            [
+                "checkpoint state file was removed and cannot be written again; results are kept in memory "
+                "until a restart"
+            ],
+        ) == (store.persistent, [e["event"] for e in logs])
         state.unlink()
         store.save(_record("/ckpt/step-2"))
         assert store.persistent

@@ -33,8 +33,9 @@ def _readable(daemon: DaemonProcess) -> dict[str, float]:
 
 
 def _valid(daemon: DaemonProcess, root: Path) -> float:
-    return sum(select(daemon.scrape(), "torchpulse_checkpoint_validations_total", root=str(root),
-                      status="valid").values())
+    return sum(
+        select(daemon.scrape(), "torchpulse_checkpoint_validations_total", root=str(root), status="valid").values()
+    )
 
 
 def _lines(daemon: DaemonProcess, prefix: str) -> list[dict[str, object]]:
@@ -48,7 +49,8 @@ def _persistent(daemon: DaemonProcess) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("observer", ["inotify", "polling"])
 def test_a_root_the_daemon_cannot_read_is_shown_once_and_watched_once_it_can(
-        tmp_path: Path, saved_checkpoint: Path, observer: str, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, saved_checkpoint: Path, observer: str, stopper: list[DaemonProcess]
+) -> None:
     """Another user's root with mode 700 and a root that does not exist yet: readable 0 and one warning each, however
     many sweeps (inotify used to report the first one watched, and never to deliver an event from it). Fixed
     without a restart: readable 1, one line each, the save made meanwhile validated, and a later save found by the
@@ -62,7 +64,8 @@ def test_a_root_the_daemon_cannot_read_is_shown_once_and_watched_once_it_can(
         config.write_text(
             f'[checkpoints]\nroots = [{{ path = "{denied}", observer = "{observer}" }}, '
             f'{{ path = "{missing}", observer = "{observer}" }}]\npoll_interval_seconds = 0.5\n'
-            f'incomplete_after_seconds = {incomplete_after_seconds}\nlevel = "metadata"\n')
+            f'incomplete_after_seconds = {incomplete_after_seconds}\nlevel = "metadata"\n'
+        )
 
     write_config(2)  # a sweep every 0.5 s
     daemon = start_daemon(tmp_path, extra_args=["--config", str(config)], preexec=file_modes_bind())
@@ -72,14 +75,16 @@ def test_a_root_the_daemon_cannot_read_is_shown_once_and_watched_once_it_can(
     time.sleep(3)  # six sweeps
     assert 0 == _valid(daemon, denied)
     assert sorted([(str(denied), "Permission denied"), (str(missing), "No such file or directory")]) == sorted(
-        (line["root"], line["error"]) for line in _lines(daemon, UNREADABLE))
+        (line["root"], line["error"]) for line in _lines(daemon, UNREADABLE)
+    )
 
     denied.chmod(0o755)
     missing.mkdir()
     wait_for(lambda: {str(denied): 1.0, str(missing): 1.0} == _readable(daemon), timeout=30)
     wait_for(lambda: 1 == _valid(daemon, denied), timeout=60)
     assert sorted([(str(denied), observer), (str(missing), observer)]) == sorted(
-        (line["root"], line["observer"]) for line in _lines(daemon, READABLE_AGAIN))
+        (line["root"], line["observer"]) for line in _lines(daemon, READABLE_AGAIN)
+    )
 
     write_config(1800)  # sweeps a minute apart: what is committed next only the watch can find in time
     daemon.proc.send_signal(signal.SIGHUP)
@@ -93,7 +98,8 @@ def test_a_root_the_daemon_cannot_read_is_shown_once_and_watched_once_it_can(
 
 @pytest.mark.slow
 def test_a_state_directory_the_daemon_cannot_write_is_one_warning_and_a_gauge_and_costs_a_revalidation(
-        tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]) -> None:
+    tmp_path: Path, saved_checkpoint: Path, stopper: list[DaemonProcess]
+) -> None:
     """The state directory belongs to another user: the daemon starts and validates, says once what is lost and
     how to fix it, exports daemon_state_persistent 0; a restart validates the same checkpoint again (the loss the
     warning names). Made writable while it runs, it stays memory-only until a restart, which writes the file."""
@@ -107,8 +113,9 @@ def test_a_state_directory_the_daemon_cannot_write_is_one_warning_and_a_gauge_an
     preexec = file_modes_bind()
 
     def start() -> DaemonProcess:
-        daemon = start_daemon(tmp_path, port=stopper[0].port if stopper else None,
-                              extra_args=["--config", str(config)], preexec=preexec)
+        daemon = start_daemon(
+            tmp_path, port=stopper[0].port if stopper else None, extra_args=["--config", str(config)], preexec=preexec
+        )
         stopper.append(daemon)
         return daemon
 
@@ -144,12 +151,14 @@ def test_unreadable_names_why_a_directory_cannot_be_listed(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("observer", ["inotify", "polling"])
 def test_a_root_that_appears_later_is_logged_once_each_way_and_its_checkpoints_found(
-        tmp_path: Path, worker: FakeWorker, observer: str) -> None:
+    tmp_path: Path, worker: FakeWorker, observer: str
+) -> None:
     """Ten sweeps over a missing root log one line; the sweep after it appears logs one more, watches it, and
     finds the checkpoint already in it; the stats (the gauge) follow."""
     root = tmp_path / "later"
-    config = CheckpointsConfig(roots=(RootConfig(str(root), observer),), poll_interval_seconds=0.1,
-                               debounce_seconds=0.0)
+    config = CheckpointsConfig(
+        roots=(RootConfig(str(root), observer),), poll_interval_seconds=0.1, debounce_seconds=0.0
+    )
 
     async def body(service: CheckpointService) -> None:
         for _ in range(10):

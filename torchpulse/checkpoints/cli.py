@@ -98,8 +98,10 @@ def _not_a_checkpoint(path: str) -> str | None:
         with contextlib.suppress(OSError):
             files += entry.is_file()
     if files:
-        return (f"not a DCP or safetensors checkpoint: {files} file{'s' if files != 1 else ''}, no .metadata, "
-                ".distcp or .safetensors among them (torch.save files such as .pt, .bin or .ckpt are not checked)")
+        return (
+            f"not a DCP or safetensors checkpoint: {files} file{'s' if files != 1 else ''}, no .metadata, "
+            ".distcp or .safetensors among them (torch.save files such as .pt, .bin or .ckpt are not checked)"
+        )
     return None
 
 
@@ -121,13 +123,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="torchpulse check",
         description="Validate one distributed (DCP) or safetensors checkpoint directory.",
         epilog="exit status: 0 valid (warnings allowed), 1 invalid, 3 incomplete (not committed yet, or "
-               "abandoned), 2 usage or I/O error, or the validator crashed (cannot tell)")
+        "abandoned), 2 usage or I/O error, or the validator crashed (cannot tell)",
+    )
     p.add_argument("path", help="checkpoint directory (one save, e.g. /ckpt/step-4000)")
-    p.add_argument("--level", choices=[lv.value for lv in Level], default=Level.DATA.value,
-                   help="metadata: .metadata and stat only; data (default): also read and check every item; "
-                        "load: also load the optimizer state resharded")
-    p.add_argument("--format", choices=["text", "json"], default="text",
-                   help="text for people (default), json for programs")
+    p.add_argument(
+        "--level",
+        choices=[lv.value for lv in Level],
+        default=Level.DATA.value,
+        help="metadata: .metadata and stat only; data (default): also read and check every item; "
+        "load: also load the optimizer state resharded",
+    )
+    p.add_argument(
+        "--format", choices=["text", "json"], default="text", help="text for people (default), json for programs"
+    )
     return p
 
 

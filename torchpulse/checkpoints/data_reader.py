@@ -140,10 +140,14 @@ class _Source:
         CRCs are combined. preadv, CRC32 and torch reductions all release the GIL.
         """
         parts, pool = workers.split(n), workers.pool
-        pending = [] if pool is None else [
-            pool.submit(self._scan_part, offset, at, size, view, window)
-            for (at, size), view in zip(parts[1:], workers.views[1:], strict=False)
-        ]
+        pending = (
+            []
+            if pool is None
+            else [
+                pool.submit(self._scan_part, offset, at, size, view, window)
+                for (at, size), view in zip(parts[1:], workers.views[1:], strict=False)
+            ]
+        )
         try:
             first = self._scan_part(offset, *parts[0], workers.views[0], window)
         finally:

@@ -173,11 +173,14 @@ def _decode(raw: bytes, code: int, path: str) -> ValidationResult:
         except ValueError:  # a real-time signal has no name
             name = f"signal {sig}"
         if sig in _CRASHES:
-            raise ValidatorFailed(f"the validator crashed ({name}) while reading {where}; "
-                                  "the checkpoint is probably hostile or corrupt")
+            raise ValidatorFailed(
+                f"the validator crashed ({name}) while reading {where}; the checkpoint is probably hostile or corrupt"
+            )
         if sig == signal.SIGKILL:
-            raise ValidatorFailed(f"the validator was killed (SIGKILL, perhaps by the out-of-memory killer) while "
-                                  f"reading {where}; the checkpoint may need more memory than is free, or be hostile")
+            raise ValidatorFailed(
+                f"the validator was killed (SIGKILL, perhaps by the out-of-memory killer) while "
+                f"reading {where}; the checkpoint may need more memory than is free, or be hostile"
+            )
         raise ValidatorFailed(f"the validator was stopped by {name} while reading {where}")
     try:
         envelope = json.loads(raw) if code == 0 else None

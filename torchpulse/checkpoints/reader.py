@@ -200,8 +200,9 @@ def _chunks(standins: Any) -> tuple[Chunk, ...]:
     sizes = list(map(tuple, map(_sizes, states)))
     # One C-speed pass over every value: a string or float offset must be a finding here,
     # not a TypeError out of the tiling rule later.
-    if not set(map(type, chain.from_iterable(offsets))) <= {int} or \
-            not set(map(type, chain.from_iterable(sizes))) <= {int}:
+    if not set(map(type, chain.from_iterable(offsets))) <= {int} or not set(map(type, chain.from_iterable(sizes))) <= {
+        int
+    }:
         raise ValueError("chunk offsets and sizes must be integers")
     return tuple(map(_new, repeat(Chunk), zip(offsets, sizes, strict=True)))
 

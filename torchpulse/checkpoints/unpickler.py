@@ -323,8 +323,8 @@ def check_structure(data: bytes) -> None:
                 fence = marks[-1] if marks else 0
                 if len(stack) - n_below < fence:
                     raise pickle.UnpicklingError("unpickling stack underflow")
-                below = stack[len(stack) - n_below:] if n_below else []
-                del stack[len(stack) - n_below:]
+                below = stack[len(stack) - n_below :] if n_below else []
+                del stack[len(stack) - n_below :]
             else:
                 if len(stack) - n_taken < fence:
                     raise pickle.UnpicklingError("unpickling stack underflow")
@@ -332,8 +332,8 @@ def check_structure(data: bytes) -> None:
                 if n_taken == 1:
                     items = [stack.pop()]
                 else:
-                    items = stack[len(stack) - n_taken:]
-                    del stack[len(stack) - n_taken:]
+                    items = stack[len(stack) - n_taken :]
+                    del stack[len(stack) - n_taken :]
             if name in _KEYS_HASHED:
                 keys = items if name in _SET_OPCODES else items[1:2] if name == "SETITEM" else items[0::2]
                 hashed += sum(k[1] for k in keys)

@@ -61,8 +61,9 @@ def status_of(findings: Sequence[Finding]) -> Status:
 def _shortened(finding: Finding) -> Finding:
     if len(finding.subject) <= MAX_FINDING_TEXT and len(finding.message) <= MAX_FINDING_TEXT:
         return finding
-    return replace(finding, subject=cut(finding.subject, MAX_FINDING_TEXT),
-                   message=cut(finding.message, MAX_FINDING_TEXT))
+    return replace(
+        finding, subject=cut(finding.subject, MAX_FINDING_TEXT), message=cut(finding.message, MAX_FINDING_TEXT)
+    )
 
 
 def capped(findings: Sequence[Finding]) -> tuple[list[Finding], dict[tuple[str, str], int]]:

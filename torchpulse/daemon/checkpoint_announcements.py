@@ -39,10 +39,30 @@ log = structlog.get_logger("torchpulse.daemon.server")  # the logger these lines
 MAX_PENDING_ANNOUNCEMENTS: Final = 64
 # Kernel filesystems: a directory there may well be the announcing user's (their process's /proc/PID, a
 # delegated cgroup), but the daemon must never watch and walk the tree above it (all of /proc).
-KERNEL_FILESYSTEMS: Final = frozenset({
-    "proc", "sysfs", "cgroup", "cgroup2", "devtmpfs", "devpts", "debugfs", "tracefs", "securityfs", "selinuxfs",
-    "bpf", "configfs", "pstore", "mqueue", "hugetlbfs", "fusectl", "efivarfs", "binfmt_misc", "rpc_pipefs", "nsfs",
-})
+KERNEL_FILESYSTEMS: Final = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "devtmpfs",
+        "devpts",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "selinuxfs",
+        "bpf",
+        "configfs",
+        "pstore",
+        "mqueue",
+        "hugetlbfs",
+        "fusectl",
+        "efivarfs",
+        "binfmt_misc",
+        "rpc_pipefs",
+        "nsfs",
+    }
+)
 
 
 class Announcements:
@@ -53,8 +73,13 @@ class Announcements:
     for its own events, which an agent flooding announcements would otherwise get round.
     """
 
-    def __init__(self, peer: Peer | None, deliver: Callable[[str, int, CheckpointSaved], None],
-                 tasks: set[asyncio.Task[None]], log_budget: TokenBucket) -> None:
+    def __init__(
+        self,
+        peer: Peer | None,
+        deliver: Callable[[str, int, CheckpointSaved], None],
+        tasks: set[asyncio.Task[None]],
+        log_budget: TokenBucket,
+    ) -> None:
         self._uid = peer.uid if peer is not None else None
         self._deliver = deliver
         self._tasks = tasks
@@ -72,8 +97,13 @@ class Announcements:
                 self._deliver(run, rank, saved)
             elif len(self._queue) >= MAX_PENDING_ANNOUNCEMENTS:
                 if self._log_budget.take(time.monotonic()):
-                    log.warning("checkpoint announcement dropped: too many wait for their check on this "
-                                "connection", run=run, rank=rank, path=cut(saved.path), uid=self._uid)
+                    log.warning(
+                        "checkpoint announcement dropped: too many wait for their check on this connection",
+                        run=run,
+                        rank=rank,
+                        path=cut(saved.path),
+                        uid=self._uid,
+                    )
             else:
                 self._queue.append((run, rank, saved))
         if self._queue and self._check is None:
@@ -94,9 +124,15 @@ class Announcements:
                 if refused is None:
                     self._deliver(run, rank, saved)
                 elif self._log_budget.take(time.monotonic()):
-                    log.warning("checkpoint announcement refused: not validated, its directory not watched",
-                                run=run, rank=rank, path=cut(saved.path), uid=self._uid, reason=refused,
-                                fix="a [checkpoints] root in the daemon's config is watched whoever owns it")
+                    log.warning(
+                        "checkpoint announcement refused: not validated, its directory not watched",
+                        run=run,
+                        rank=rank,
+                        path=cut(saved.path),
+                        uid=self._uid,
+                        reason=refused,
+                        fix="a [checkpoints] root in the daemon's config is watched whoever owns it",
+                    )
         finally:
             self._check = None
 
@@ -144,8 +180,10 @@ def announcement_refused(path: str, uid: int | None, identity: tuple[int, int] |
 
 
 # Why a path the job saved to is missing or another directory here; what the user does about it.
-_OTHER_NAMESPACE = ("if the job runs in a container (another mount namespace), mount the checkpoint directory at "
-                    "the same path in it as on the daemon's host, or list its host path as a [checkpoints] root")
+_OTHER_NAMESPACE = (
+    "if the job runs in a container (another mount namespace), mount the checkpoint directory at "
+    "the same path in it as on the daemon's host, or list its host path as a [checkpoints] root"
+)
 
 
 def _another_directory(real: Path, identity: tuple[int, int]) -> str | None:
@@ -160,5 +198,7 @@ def _another_directory(real: Path, identity: tuple[int, int]) -> str | None:
     # The directory the job wrote has another identity: another mount namespace, a `..` that a symlink
     # leads elsewhere in the job, or a directory replaced since the save. Validating it would report on
     # a checkpoint the job never wrote.
-    return (f"{real} is not the directory the job saved (device:inode {identity[0]}:{identity[1]} in the job, "
-            f"{here[0]}:{here[1]} here); {_OTHER_NAMESPACE}")
+    return (
+        f"{real} is not the directory the job saved (device:inode {identity[0]}:{identity[1]} in the job, "
+        f"{here[0]}:{here[1]} here); {_OTHER_NAMESPACE}"
+    )

@@ -58,8 +58,12 @@ class CheckpointsConfig:
             raise ConfigError(f"checkpoints.level: expected metadata, data or load, got {self.level!r}")
         if self.observer not in OBSERVERS:
             raise ConfigError(f"checkpoints.observer: expected auto, inotify or polling, got {self.observer!r}")
-        positive = ("poll_interval_seconds", "incomplete_after_seconds", "validation_timeout_seconds",
-                    "announced_root_ttl_seconds")
+        positive = (
+            "poll_interval_seconds",
+            "incomplete_after_seconds",
+            "validation_timeout_seconds",
+            "announced_root_ttl_seconds",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"checkpoints.{name}: must be > 0")
@@ -77,9 +81,14 @@ class CheckpointsConfig:
 
 
 _NUMBERS: Final = {
-    "poll_interval_seconds": float, "incomplete_after_seconds": float, "validation_timeout_seconds": float,
-    "debounce_seconds": float, "announced_root_ttl_seconds": float, "max_concurrent_validations": int,
-    "validation_memory_limit_bytes": int, "max_announced_roots": int,
+    "poll_interval_seconds": float,
+    "incomplete_after_seconds": float,
+    "validation_timeout_seconds": float,
+    "debounce_seconds": float,
+    "announced_root_ttl_seconds": float,
+    "max_concurrent_validations": int,
+    "validation_memory_limit_bytes": int,
+    "max_announced_roots": int,
 }
 _STRINGS: Final = ("level", "observer")
 
@@ -108,10 +117,15 @@ def parse(table: Mapping[str, Any]) -> CheckpointsConfig:
             values["roots"] = tuple(_root(entry) for entry in value)
         elif key in _NUMBERS:
             kind = _NUMBERS[key]
-            if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and
-                                                                                   not isinstance(value, int)):
-                raise ConfigError(f"checkpoints.{key}: expected {'an integer' if kind is int else 'a number'}, "
-                                  f"got {type(value).__name__}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (kind is int and not isinstance(value, int))
+            ):
+                raise ConfigError(
+                    f"checkpoints.{key}: expected {'an integer' if kind is int else 'a number'}, "
+                    f"got {type(value).__name__}"
+                )
             if not math.isfinite(value):
                 raise ConfigError(f"checkpoints.{key}: expected a finite number, got {value}")
             values[key] = kind(value)

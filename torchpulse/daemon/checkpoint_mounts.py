@@ -14,10 +14,25 @@ from pathlib import Path
 from typing import Final
 
 MOUNTINFO: Final = Path("/proc/self/mountinfo")
-NETWORK_FILESYSTEMS: Final = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p", "afs", "beegfs",
-    "wekafs", "panfs", "virtiofs",
-})
+NETWORK_FILESYSTEMS: Final = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "ceph",
+        "glusterfs",
+        "9p",
+        "afs",
+        "beegfs",
+        "wekafs",
+        "panfs",
+        "virtiofs",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +85,7 @@ def needs_polling(fs_type: str) -> bool:
 
 
 def choose_observer(path: str, configured: str, mounts: list[Mount]) -> str:
-    """"inotify" or "polling": an explicit choice wins, "auto" looks at the filesystem."""
+    """ "inotify" or "polling": an explicit choice wins, "auto" looks at the filesystem."""
     if configured != "auto":
         return configured
     # A root that does not exist yet is judged by the nearest existing parent's mount.

@@ -32,8 +32,9 @@ SETTLE_SECONDS: Final = 10.0
 class RootWatches:
     """Roots wanted (root -> observer), inotify fallbacks, and the watch operations in flight."""
 
-    def __init__(self, watcher: Watcher, configured: Callable[[], dict[str, str]],
-                 readable: Callable[[str, bool], None]) -> None:
+    def __init__(
+        self, watcher: Watcher, configured: Callable[[], dict[str, str]], readable: Callable[[str, bool], None]
+    ) -> None:
         self._watcher = watcher
         self._configured = configured  # root -> observer the config (or an announcement) asks for
         self._readable = readable  # told whether each wanted root can be read, after each of its watch operations
@@ -52,8 +53,10 @@ class RootWatches:
         # A fallback to polling stands until the config changes that root's observer (or drops the root):
         # the inotify limit that caused it does not go away on SIGHUP or when another job announces.
         self._fallbacks = {root: was for root, was in self._fallbacks.items() if configured.get(root) == was}
-        wanted = {root: "polling" if self._fallbacks.get(root) == observer else observer
-                  for root, observer in configured.items()}
+        wanted = {
+            root: "polling" if self._fallbacks.get(root) == observer else observer
+            for root, observer in configured.items()
+        }
         for root in set(self.wanted) - set(wanted):
             self._errors.pop(root, None)
             self._unreadable.pop(root, None)
@@ -73,8 +76,11 @@ class RootWatches:
             return
         self._fallbacks[root] = configured
         self.wanted[root] = "polling"
-        log.warning("inotify cannot watch this checkpoint root; polling it until the config changes its observer",
-                    root=root, error=error)
+        log.warning(
+            "inotify cannot watch this checkpoint root; polling it until the config changes its observer",
+            root=root,
+            error=error,
+        )
 
     async def settle(self) -> None:
         """Wait for the watch operations in flight, and the re-runs they leave behind, SETTLE_SECONDS at most.
@@ -85,8 +91,7 @@ class RootWatches:
         deadline = time.monotonic() + SETTLE_SECONDS
         while (left := deadline - time.monotonic()) > 0:
             now = time.monotonic()
-            young = [task for task, started in self._ops.values()
-                     if not task.done() and now - started < SETTLE_SECONDS]
+            young = [task for task, started in self._ops.values() if not task.done() and now - started < SETTLE_SECONDS]
             if not young:
                 return
             await asyncio.wait(young, timeout=left)
@@ -139,17 +144,23 @@ class RootWatches:
             if self._unreadable.get(root) != outcome.error:
                 # Once per reason, not per sweep; each sweep checks again.
                 self._unreadable[root] = outcome.error or ""
-                log.warning("checkpoint root cannot be read; nothing under it is watched or validated until it can "
-                            "(checked again at each sweep)", root=root, error=outcome.error, daemon_user=_user(),
-                            fix="create the directory, or let the daemon's user list it (r and x on it, x on every "
-                                "directory above it), or drop it from [checkpoints] roots")
+                log.warning(
+                    "checkpoint root cannot be read; nothing under it is watched or validated until it can "
+                    "(checked again at each sweep)",
+                    root=root,
+                    error=outcome.error,
+                    daemon_user=_user(),
+                    fix="create the directory, or let the daemon's user list it (r and x on it, x on every "
+                    "directory above it), or drop it from [checkpoints] roots",
+                )
             return
         was = self._unreadable.pop(root, None)
         if outcome.error is None:
             self._errors.pop(root, None)
             if was is not None:
-                log.info("checkpoint root can be read again; watching it", root=root, observer=outcome.observer,
-                         was=was)
+                log.info(
+                    "checkpoint root can be read again; watching it", root=root, observer=outcome.observer, was=was
+                )
             elif outcome.changed:
                 log.info("watching checkpoint root", root=root, observer=outcome.observer)
             return
@@ -158,8 +169,12 @@ class RootWatches:
         if self._errors.get(root) != outcome.error:
             # Logged once per reason; the sweep retries quietly.
             self._errors[root] = outcome.error
-            log.warning("cannot watch checkpoint root; retrying at each sweep", root=root, observer=outcome.observer,
-                        error=outcome.error)
+            log.warning(
+                "cannot watch checkpoint root; retrying at each sweep",
+                root=root,
+                observer=outcome.observer,
+                error=outcome.error,
+            )
 
 
 @functools.cache

@@ -31,22 +31,37 @@ CHUNK_BYTES = 64 << 10
 
 def worker_command(path: str, level: Level, limits: Limits) -> list[str]:
     """The argv contract of `python -m torchpulse.checkpoints.worker`."""
-    return [sys.executable, "-m", "torchpulse.checkpoints.worker", path, level.value, str(limits.memory_bytes),
-            "1" if limits.idle_io else "0", "1" if limits.drop_cache else "0"]
+    return [
+        sys.executable,
+        "-m",
+        "torchpulse.checkpoints.worker",
+        path,
+        level.value,
+        str(limits.memory_bytes),
+        "1" if limits.idle_io else "0",
+        "1" if limits.drop_cache else "0",
+    ]
 
 
 def error_result(path: str, level: Level, message: str, started: float) -> ValidationResult:
-    return ValidationResult(path=path, status=Status.ERROR, level=level,
-                            findings=(Finding("TP-CKPT-000", Severity.ERROR, path, message),),
-                            stats={"duration_seconds": round(time.monotonic() - started, 6)})
+    return ValidationResult(
+        path=path,
+        status=Status.ERROR,
+        level=level,
+        findings=(Finding("TP-CKPT-000", Severity.ERROR, path, message),),
+        stats={"duration_seconds": round(time.monotonic() - started, 6)},
+    )
 
 
 async def validate(path: str, level: Level, limits: Limits) -> ValidationResult:
     """Validate `path` in a worker; a crash, OOM or timeout becomes status "error"."""
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *worker_command(path, level, limits), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=CHUNK_BYTES,
+        *worker_command(path, level, limits),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        limit=CHUNK_BYTES,
         # Its own process group: a ^C to the daemon's terminal is the daemon's to handle.
         start_new_session=True,
     )
@@ -54,8 +69,9 @@ async def validate(path: str, level: Level, limits: Limits) -> ValidationResult:
         async with asyncio.timeout(limits.timeout_seconds):
             # Both pipes drained at once: a worker blocked on a full stderr pipe never finishes its stdout.
             assert proc.stdout is not None and proc.stderr is not None
-            line, error_line, _ = await asyncio.gather(_last_line_of(proc.stdout, MAX_OUTPUT_BYTES),
-                                                       _last_line_of(proc.stderr, MAX_STDERR_BYTES), proc.wait())
+            line, error_line, _ = await asyncio.gather(
+                _last_line_of(proc.stdout, MAX_OUTPUT_BYTES), _last_line_of(proc.stderr, MAX_STDERR_BYTES), proc.wait()
+            )
     except TimeoutError:
         await _kill(proc)
         return error_result(path, level, f"worker timed out after {limits.timeout_seconds:g} s", started)

@@ -83,8 +83,7 @@ def metadata_key(path: str) -> tuple[str, float] | None:
     return key, max(st.st_mtime for st in stats)
 
 
-def newest_data_write(directory: str, names: Iterable[str],
-                      suffixes: tuple[str, ...] = DATA_SUFFIXES) -> float | None:
+def newest_data_write(directory: str, names: Iterable[str], suffixes: tuple[str, ...] = DATA_SUFFIXES) -> float | None:
     """mtime of the newest data file (by `suffixes`) among `names`, or None when there is none."""
     newest = _newest_data_stat(directory, names, suffixes)
     return None if newest is None else newest.st_mtime

@@ -63,8 +63,13 @@ MAX_LOGGED_ONCE: Final = 1024
 
 
 class CheckpointService:
-    def __init__(self, config: CheckpointsConfig, state_dir: Path, mounts: list[Mount] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: CheckpointsConfig,
+        state_dir: Path,
+        mounts: list[Mount] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self._clock = clock  # wall clock: announcement times outlive the process
         self.stats = CheckpointStats()
@@ -111,17 +116,20 @@ class CheckpointService:
             restored_other.last_announced = self._other_announced
         stored = self._stored_announced_roots()
         self._announced = dict(stored[: self.config.max_announced_roots])
-        self._forget_announced(stored[self.config.max_announced_roots:], "max_announced_roots was lowered")
+        self._forget_announced(stored[self.config.max_announced_roots :], "max_announced_roots was lowered")
         self._expire_announced()  # before the watcher exists: the one sync below covers it
-        mounts: Callable[[], list[Mount]] = read_mounts if self._mounts is None else functools.partial(
-            list, self._mounts)
+        mounts: Callable[[], list[Mount]] = (
+            read_mounts if self._mounts is None else functools.partial(list, self._mounts)
+        )
         self._watcher = Watcher(loop, self._on_watch_event, self.config.poll_interval_seconds, mounts)
         self._watches = RootWatches(self._watcher, self._roots, self._root_readable)
         self._sync_roots()
         # Roots are usually watched when start returns; a hung mount delays the start a bounded time only.
         await self._watches.settle()
-        self._background = [asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
-                            asyncio.create_task(self._sweeps(), name="checkpoint-sweep")]
+        self._background = [
+            asyncio.create_task(self._dispatch(), name="checkpoint-dispatch"),
+            asyncio.create_task(self._sweeps(), name="checkpoint-sweep"),
+        ]
 
     def _stored_announced_roots(self) -> list[tuple[str, float]]:
         """Announced roots from the state store, most recent first, forgetting any that cannot be a root.
@@ -137,8 +145,9 @@ class CheckpointService:
                 kept.append((root, last))
                 continue
             self._store.remove_announced_root(root)
-            log.warning("forgot a stored announced checkpoint root that cannot be watched", root=repr(root),
-                        reason=problem)
+            log.warning(
+                "forgot a stored announced checkpoint root that cannot be watched", root=repr(root), reason=problem
+            )
         return kept
 
     async def close(self) -> None:
@@ -165,7 +174,7 @@ class CheckpointService:
         if self._store is not None:
             # A lowered max_announced_roots keeps the roots announced most recently, as a start would.
             newest_first = sorted(self._announced.items(), key=lambda item: item[1], reverse=True)
-            self._forget_announced(newest_first[config.max_announced_roots:], "max_announced_roots was lowered")
+            self._forget_announced(newest_first[config.max_announced_roots :], "max_announced_roots was lowered")
         if self._watcher is not None:
             self._watcher.set_poll_interval(config.poll_interval_seconds)
             self._sync_roots()
@@ -187,8 +196,9 @@ class CheckpointService:
     # -- roots ------------------------------------------------------------------
     def _roots(self) -> dict[str, str]:
         """Root path -> configured observer (announced roots use the section's)."""
-        roots = {root.path: root.observer if root.observer != "auto" else self.config.observer
-                 for root in self.config.roots}
+        roots = {
+            root.path: root.observer if root.observer != "auto" else self.config.observer for root in self.config.roots
+        }
         for path in self._announced:
             roots.setdefault(path, self.config.observer)
         return roots
@@ -221,7 +231,7 @@ class CheckpointService:
         if other_expired:
             # Otherwise its series, and NoValidCheckpointRecently on them, stay once the jobs past the cap ended.
             self._other_announced = None
-            log.info("checkpoint root \"other\" expired: no save announced under it for the TTL", ttl_seconds=ttl)
+            log.info('checkpoint root "other" expired: no save announced under it for the TTL', ttl_seconds=ttl)
         if (expired or other_expired) and self._watcher is not None:
             self._sync_roots()
         elif other_expired:
@@ -233,9 +243,13 @@ class CheckpointService:
         for root, _ in roots:
             self._announced.pop(root, None)
             self._store.remove_announced_root(root)
-            log.info("announced checkpoint root no longer watched", root=root, reason=reason,
-                     ttl_seconds=self.config.announced_root_ttl_seconds,
-                     max_announced_roots=self.config.max_announced_roots)
+            log.info(
+                "announced checkpoint root no longer watched",
+                root=root,
+                reason=reason,
+                ttl_seconds=self.config.announced_root_ttl_seconds,
+                max_announced_roots=self.config.max_announced_roots,
+            )
 
     def _root_of(self, path: str) -> str | None:
         best: str | None = None
@@ -259,8 +273,13 @@ class CheckpointService:
         if event.kind == "backend_error" and self._watcher.kind_of(event.root) == "inotify":
             # Most often the inotify watch limit (a deep tree's RecursionError too): polling needs no watches.
             self._watches.fall_back(event.root, event.detail)
-        log.warning("checkpoint root watch lost; retrying at each sweep", root=event.root, reason=event.kind,
-                    error=event.detail, now_using=self._watches.wanted.get(event.root))
+        log.warning(
+            "checkpoint root watch lost; retrying at each sweep",
+            root=event.root,
+            reason=event.kind,
+            error=event.detail,
+            now_using=self._watches.wanted.get(event.root),
+        )
         # The lost watch no longer counts as watched; its replacement is scheduled off the loop.
         self._watches.reconcile(event.root)
         # A save committed between the loss and the new watch raised no event: scan once that watch is in place.
@@ -290,14 +309,18 @@ class CheckpointService:
         if "://" in saved.path and not saved.path.startswith("/"):
             # The probe passes fsspec URLs (s3://...) on as they are: nothing here to validate, and no warning
             # per save about it either.
-            self._log_once(f"url {run}", "checkpoints saved to a URL are not validated", run=run,
-                           path=repr(saved.path))
+            self._log_once(f"url {run}", "checkpoints saved to a URL are not validated", run=run, path=repr(saved.path))
             return
         path = normalize(saved.path)
         problem = _unusable_root(path)
         if problem is not None:
-            self._log_once(f"refused {path}", "announced checkpoint path refused; not validated", run=run,
-                           path=repr(saved.path), reason=problem)
+            self._log_once(
+                f"refused {path}",
+                "announced checkpoint path refused; not validated",
+                run=run,
+                path=repr(saved.path),
+                reason=problem,
+            )
             return
         assert self._store is not None
         root = self._root_of(path)
@@ -312,8 +335,12 @@ class CheckpointService:
                 # Refused as a root: watching / recursively walks the whole machine (network mounts included)
                 # and, a prefix of every path, / would swallow every later announcement. The checkpoint is
                 # still validated (under root="other"); a later save there is announced, and validated, again.
-                self._log_once(f"top {path}", "checkpoint saved directly under /: validated, its parent not "
-                               "watched", run=run, path=path)
+                self._log_once(
+                    f"top {path}",
+                    "checkpoint saved directly under /: validated, its parent not watched",
+                    run=run,
+                    path=path,
+                )
             elif len(self._announced) < self.config.max_announced_roots:
                 self._touch_announced(parent)
                 self._logged_once.discard(folded)  # folded again later (expired, slots full): news again
@@ -321,9 +348,14 @@ class CheckpointService:
             else:
                 # Warned once per directory through the bounded log-once set: one entry per folded directory
                 # kept forever grew by one per job on a node that starts a new job every hour.
-                self._log_once(folded, "too many announced checkpoint roots; this one is validated but not "
-                               "watched and its metrics use root=\"other\"", root=parent, run=run,
-                               max_announced_roots=self.config.max_announced_roots)
+                self._log_once(
+                    folded,
+                    "too many announced checkpoint roots; this one is validated but not "
+                    'watched and its metrics use root="other"',
+                    root=parent,
+                    run=run,
+                    max_announced_roots=self.config.max_announced_roots,
+                )
         if self._root_of(path) is None:
             self._other_announced = self._clock()
             self.stats.root(OTHER).last_announced = self._other_announced
@@ -408,8 +440,9 @@ class CheckpointService:
         """Whether a path found on disk can be validated and recorded (a non-UTF-8 name cannot)."""
         problem = _unusable(path)
         if problem is not None:
-            self._log_once(f"unusable {path}", "checkpoint path cannot be recorded; not validated",
-                           path=repr(path), reason=problem)
+            self._log_once(
+                f"unusable {path}", "checkpoint path cannot be recorded; not validated", path=repr(path), reason=problem
+            )
         return problem is None
 
     def _known_key(self, path: str, recorded: Mapping[str, str] | None = None) -> str | None:
@@ -422,8 +455,9 @@ class CheckpointService:
 
     async def _validate(self, path: str, found_under: str | None) -> None:
         if self._dropped(path, found_under):
-            log.info("checkpoint root no longer watched; its queued checkpoint is not validated", path=path,
-                     root=found_under)
+            log.info(
+                "checkpoint root no longer watched; its queued checkpoint is not validated", path=path, root=found_under
+            )
             return
         found = await off_loop(functools.partial(metadata_key, path), "torchpulse-stat")
         incomplete = found is None
@@ -465,13 +499,18 @@ class CheckpointService:
         if await off_loop(functools.partial(_newest_data, path), "torchpulse-stat") != data_before:
             # The next save rewrites its shards in place: the worker read a mix of two saves. Its commit (a new
             # metadata) brings it back; a sweep does, should that save crash.
-            log.info("checkpoint data rewritten during validation; result discarded", path=path,
-                     status=result.status.value)
+            log.info(
+                "checkpoint data rewritten during validation; result discarded", path=path, status=result.status.value
+            )
             return
         if self._dropped(path, found_under):
             # Kept in the state store (not validated again should its root come back), exported nowhere.
-            log.info("checkpoint root stopped being watched during its validation; result not exported", path=path,
-                     root=root, status=result.status.value)
+            log.info(
+                "checkpoint root stopped being watched during its validation; result not exported",
+                path=path,
+                root=root,
+                status=result.status.value,
+            )
             self._record(path, root, key, committed_at, result, elapsed, export=False)
             return
         # The root now (a SIGHUP may have removed a nested root while this ran; the outer one takes it).
@@ -483,31 +522,58 @@ class CheckpointService:
         Such shards are an overwrite in place under way, or one that crashed before its new metadata (the
         validator's TP-CKPT-004) once they have been quiet for incomplete_after_seconds.
         """
-        return (newest_data is not None and newest_data > committed_at
-                and time.time() - newest_data < self.config.incomplete_after_seconds)
+        return (
+            newest_data is not None
+            and newest_data > committed_at
+            and time.time() - newest_data < self.config.incomplete_after_seconds
+        )
 
     async def _not_a_save(self, path: str) -> None:
         """`path` has neither a DCP `.metadata` nor `.distcp` files: deleted meanwhile, or not DCP at all."""
         if await off_loop(functools.partial(os.path.isdir, path), "torchpulse-stat"):
             # An announced Hugging Face layout (DCP's HuggingFaceStorageWriter writes no `.metadata`).
-            self._log_once(f"not dcp {path}", "not a DCP checkpoint (no .metadata, no .distcp files): not validated",
-                           level="info", path=path)
+            self._log_once(
+                f"not dcp {path}",
+                "not a DCP checkpoint (no .metadata, no .distcp files): not validated",
+                level="info",
+                path=path,
+            )
         else:
             log.info("checkpoint vanished before validation", path=path)
 
     def _limits(self) -> Limits:
-        return Limits(timeout_seconds=self.config.validation_timeout_seconds,
-                      memory_bytes=self.config.validation_memory_limit_bytes, idle_io=True, drop_cache=True)
+        return Limits(
+            timeout_seconds=self.config.validation_timeout_seconds,
+            memory_bytes=self.config.validation_memory_limit_bytes,
+            idle_io=True,
+            drop_cache=True,
+        )
 
-    def _record(self, path: str, root: str | None, key: str, committed_at: float, result: ValidationResult,
-                elapsed: float, export: bool = True) -> None:
+    def _record(
+        self,
+        path: str,
+        root: str | None,
+        key: str,
+        committed_at: float,
+        result: ValidationResult,
+        elapsed: float,
+        export: bool = True,
+    ) -> None:
         # The true counts: `result.findings` lists at most validate.MAX_FINDINGS_PER_RULE of a rule.
         findings = result.finding_counts()
         stats = result.stats
-        record = Record(path=path, root=self._label(root), key=key, status=result.status.value,
-                        level=result.level.value, validated_at=time.time(), committed_at=committed_at,
-                        bytes=int(stats.get("bytes", 0)), duration_seconds=round(elapsed, 6),
-                        findings=findings)
+        record = Record(
+            path=path,
+            root=self._label(root),
+            key=key,
+            status=result.status.value,
+            level=result.level.value,
+            validated_at=time.time(),
+            committed_at=committed_at,
+            bytes=int(stats.get("bytes", 0)),
+            duration_seconds=round(elapsed, 6),
+            findings=findings,
+        )
         assert self._store is not None
         if self._store.save(record):
             self._unsaved.pop(path, None)
@@ -517,10 +583,17 @@ class CheckpointService:
             return
         self.stats.record(record)
         level = "info" if result.status.value == "valid" else "warning"
-        getattr(log, level)("checkpoint validated", path=path, root=record.root, status=record.status,
-                            validation_level=record.level, findings=sum(findings.values()), bytes=record.bytes,
-                            duration_seconds=record.duration_seconds,
-                            first_finding=result.findings[0].message[:300] if result.findings else None)
+        getattr(log, level)(
+            "checkpoint validated",
+            path=path,
+            root=record.root,
+            status=record.status,
+            validation_level=record.level,
+            findings=sum(findings.values()),
+            bytes=record.bytes,
+            duration_seconds=record.duration_seconds,
+            first_finding=result.findings[0].message[:300] if result.findings else None,
+        )
 
     # -- sweeps -------------------------------------------------------------------
     def sweep_interval(self) -> float:
@@ -573,18 +646,31 @@ class CheckpointService:
             return  # dropped while it ran: its series are gone and stay gone
         # One query for the root's records, on the loop: a lookup per directory blocked it ~0.2 s at 8,200.
         recorded = self._store.keys_under(root)
-        found = [(ckpt.committed_at, ckpt.path) for ckpt in result.committed if self._usable(ckpt.path)
-                 and self._known_key(ckpt.path, recorded) != ckpt.key and ckpt.path not in self._debounce]
+        found = [
+            (ckpt.committed_at, ckpt.path)
+            for ckpt in result.committed
+            if self._usable(ckpt.path)
+            and self._known_key(ckpt.path, recorded) != ckpt.key
+            and ckpt.path not in self._debounce
+        ]
         now = time.time()
         stale = [u for u in result.uncommitted if now - u.settled_at >= self.config.incomplete_after_seconds]
         self.stats.root(self._label(root)).incomplete = len(stale)
-        found += [(save.newest_write, save.path) for save in stale
-                  if self._usable(save.path)
-                  and self._known_key(save.path, recorded) != _incomplete_key_for(save.newest_write)]
+        found += [
+            (save.newest_write, save.path)
+            for save in stale
+            if self._usable(save.path)
+            and self._known_key(save.path, recorded) != _incomplete_key_for(save.newest_write)
+        ]
         for path in result.unvalidated:
             # Hugging Face Trainer `checkpoint-N/`, `save_pretrained` output: safetensors without a DCP commit.
-            self._log_once(f"not dcp {path}", "not a DCP checkpoint (safetensors, no .metadata): not validated",
-                           level="info", path=path, root=root)
+            self._log_once(
+                f"not dcp {path}",
+                "not a DCP checkpoint (safetensors, no .metadata): not validated",
+                level="info",
+                path=path,
+                root=root,
+            )
         for _, path in sorted(found):  # oldest first: the newest is validated next
             self._enqueue(path, root)
         present = {ckpt.path for ckpt in result.committed} | {save.path for save in result.uncommitted}
@@ -603,8 +689,12 @@ class CheckpointService:
             return  # dropped, or a newer result came in, while it looked
         newest = self._store.newest_of_root(label, present)
         self.stats.latest_deleted(label, newest)
-        log.info("the latest checkpoint was deleted: the newest one left is the root's latest now",
-                 deleted=latest, latest=None if newest is None else newest.path, root=label)
+        log.info(
+            "the latest checkpoint was deleted: the newest one left is the root's latest now",
+            deleted=latest,
+            latest=None if newest is None else newest.path,
+            root=label,
+        )
 
     async def prune(self) -> None:
         """Forget the records of checkpoint directories deleted since (a job's retention policy)."""
@@ -618,7 +708,7 @@ class CheckpointService:
         if forgotten:
             self._store.forget(forgotten)
             log.info("forgot the records of deleted checkpoints", count=len(forgotten))
-        for path, is_gone in zip(unsaved, gone[len(rows):], strict=True):
+        for path, is_gone in zip(unsaved, gone[len(rows) :], strict=True):
             if is_gone:
                 self._unsaved.pop(path, None)
 

@@ -57,9 +57,11 @@ BUSY_TIMEOUT_SECONDS: Final = 0.5
 _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 MEMORY_ONLY: Final = "checkpoint validation state is kept in memory only and lost at a restart"
 # What a restart then costs: the state's two jobs (module docstring).
-LOST: Final = ("after a restart every checkpoint under the configured roots is validated again (their status series "
-               "are empty until then), and the roots jobs announced are forgotten: a save made there while the daemon "
-               "was down is found only once a job announces a save there again")
+LOST: Final = (
+    "after a restart every checkpoint under the configured roots is validated again (their status series "
+    "are empty until then), and the roots jobs announced are forgotten: a save made there while the daemon "
+    "was down is found only once a job announces a save there again"
+)
 
 
 class _Corrupt(sqlite3.DatabaseError):
@@ -155,16 +157,26 @@ class StateStore:
         """The state file's connection, or None after one warning that says why not, what is lost, the fix."""
         problem = _not_writable(state_dir)
         if problem is not None:
-            log.warning(f"state directory not writable; {MEMORY_ONLY}", state_dir=str(state_dir), error=problem,
-                        lost=LOST, fix="make state_dir writable by the daemon's user (under systemd: keep it under "
-                        "StateDirectory=, /var/lib/torchpulse, or add it to ReadWritePaths=) and restart the daemon")
+            log.warning(
+                f"state directory not writable; {MEMORY_ONLY}",
+                state_dir=str(state_dir),
+                error=problem,
+                lost=LOST,
+                fix="make state_dir writable by the daemon's user (under systemd: keep it under "
+                "StateDirectory=, /var/lib/torchpulse, or add it to ReadWritePaths=) and restart the daemon",
+            )
             return None
         try:
             db = self._open_file()
         except sqlite3.Error as exc:
-            log.warning(f"checkpoint state file cannot be opened; {MEMORY_ONLY}", path=str(self.path),
-                        error=str(exc), lost=LOST, fix="move the file aside (a new one is started) or make it "
-                        "readable and writable by the daemon's user, and restart the daemon")
+            log.warning(
+                f"checkpoint state file cannot be opened; {MEMORY_ONLY}",
+                path=str(self.path),
+                error=str(exc),
+                lost=LOST,
+                fix="move the file aside (a new one is started) or make it "
+                "readable and writable by the daemon's user, and restart the daemon",
+            )
             return None
         self._identity = self._identity_at_path()
         self.persistent = True
@@ -184,8 +196,12 @@ class StateStore:
             except OSError as move_error:
                 raise sqlite3.OperationalError(f"{exc}; cannot set the file aside: {move_error}") from exc
             # Kept for a post-mortem; the checkpoints it remembered are validated once more.
-            log.warning("checkpoint state file is corrupt; set aside, starting a new one", path=str(self.path),
-                        moved_to=str(aside), error=str(exc))
+            log.warning(
+                "checkpoint state file is corrupt; set aside, starting a new one",
+                path=str(self.path),
+                moved_to=str(aside),
+                error=str(exc),
+            )
             return _open(self.path)
 
     def close(self) -> None:
@@ -214,8 +230,11 @@ class StateStore:
             return
         if now is not None:
             self._identity = now
-            log.warning("checkpoint state file was replaced while the daemon ran; results go on to the file it "
-                        "opened, the next start reads the new one", path=str(self.path))
+            log.warning(
+                "checkpoint state file was replaced while the daemon ran; results go on to the file it "
+                "opened, the next start reads the new one",
+                path=str(self.path),
+            )
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,16 +249,22 @@ class StateStore:
             error = str(exc)
             if self._restore_error != error:
                 self._restore_error = error
-                log.error("checkpoint state file was removed and cannot be written again; results are kept in "
-                          "memory until a restart", path=str(self.path), error=error)
+                log.error(
+                    "checkpoint state file was removed and cannot be written again; results are kept in "
+                    "memory until a restart",
+                    path=str(self.path),
+                    error=error,
+                )
             return
         self._db.close()
         self._db = fresh
         self._identity = self._identity_at_path()
         self._restore_error = None
         self.persistent = True
-        log.warning("checkpoint state file was removed while the daemon ran; wrote it again with everything it held",
-                    path=str(self.path))
+        log.warning(
+            "checkpoint state file was removed while the daemon ran; wrote it again with everything it held",
+            path=str(self.path),
+        )
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         """Rows of a query, or none when the file cannot answer (logged once per reason)."""
@@ -248,8 +273,11 @@ class StateStore:
         except sqlite3.Error as exc:
             if str(exc) not in self._failed_reads:
                 self._failed_reads.add(str(exc))
-                log.warning("cannot read the checkpoint state; what it holds counts as unknown",
-                            path=str(self.path), error=str(exc))
+                log.warning(
+                    "cannot read the checkpoint state; what it holds counts as unknown",
+                    path=str(self.path),
+                    error=str(exc),
+                )
             return []
 
     def key_of(self, path: str) -> str | None:
@@ -264,8 +292,7 @@ class StateStore:
         The range on the primary key reads just those rows ('0' follows '/').
         """
         prefix = root.rstrip("/")
-        rows = self._read("SELECT path, key FROM checkpoints WHERE path > ? AND path < ?",
-                          (prefix + "/", prefix + "0"))
+        rows = self._read("SELECT path, key FROM checkpoints WHERE path > ? AND path < ?", (prefix + "/", prefix + "0"))
         return {str(path): str(key) for path, key in rows}
 
     def save(self, record: Record) -> bool:
@@ -274,8 +301,18 @@ class StateStore:
         try:
             self._db.execute(
                 "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (record.path, record.root, record.key, record.status, record.level, record.validated_at,
-                 record.committed_at, record.bytes, record.duration_seconds, _encode(record.findings)),
+                (
+                    record.path,
+                    record.root,
+                    record.key,
+                    record.status,
+                    record.level,
+                    record.validated_at,
+                    record.committed_at,
+                    record.bytes,
+                    record.duration_seconds,
+                    _encode(record.findings),
+                ),
             )
         except sqlite3.Error as exc:
             log.warning("cannot persist a checkpoint result", path=record.path, error=str(exc))
@@ -295,7 +332,9 @@ class StateStore:
         """The record with the newest commit among those of `root` whose directory is in `paths`."""
         rows = self._read(
             "SELECT path, root, key, status, level, validated_at, committed_at, bytes, duration_seconds, findings "
-            "FROM checkpoints WHERE root = ? ORDER BY committed_at DESC", (root,))
+            "FROM checkpoints WHERE root = ? ORDER BY committed_at DESC",
+            (root,),
+        )
         return next((_record(row) for row in rows if row[0] in paths), None)
 
     def last_valid_per_root(self) -> dict[str, float]:
@@ -319,7 +358,8 @@ class StateStore:
             f" SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints WHERE root IN ({marks}) GROUP BY root)"
             " UNION"
             " SELECT path FROM (SELECT path, MAX(committed_at) FROM checkpoints"
-            f"  WHERE status = 'valid' AND root IN ({marks}) GROUP BY root))", (*labels, *labels)
+            f"  WHERE status = 'valid' AND root IN ({marks}) GROUP BY root))",
+            (*labels, *labels),
         )
         return [(str(path), float(at)) for path, at in rows]
 

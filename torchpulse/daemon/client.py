@@ -79,8 +79,10 @@ def format_status(reply: StatusReply) -> str:
                 status = "connected"
             else:
                 status = f"{'exited' if rank.exited else 'gone'} {_duration(rank.last_seen_seconds_ago)}"
-            lines.append(f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {fit(rank.host, 16)} "
-                         f"{rank.events_received:>10} {rank.events_dropped:>8}")
+            lines.append(
+                f"  {rank.rank:>4}  {status:<12} {rank.pid:>8}  {fit(rank.host, 16)} "
+                f"{rank.events_received:>10} {rank.events_dropped:>8}"
+            )
     return "\n".join(lines)
 
 
@@ -133,8 +135,13 @@ def _summary(command: str, result: RankResult) -> tuple[str, dict[str, FieldValu
         message = f"{probe} {command}d" if changed else f"{probe} was already {command}d"
     elif command == "sample" and type(every := data.get("sample_every")) is int:
         del data["sample_every"]
-        message = ("node timing off" if every == 0 else "timing the nodes of every pass" if every == 1
-                   else f"timing the nodes of 1 pass in {every}")
+        message = (
+            "node timing off"
+            if every == 0
+            else "timing the nodes of every pass"
+            if every == 1
+            else f"timing the nodes of 1 pass in {every}"
+        )
     elif command == "autograd-log" and type(passes := data.get("passes")) is int:
         del data["passes"]
         message = f"logging every autograd node of the next {passes} pass{'' if passes == 1 else 'es'}"

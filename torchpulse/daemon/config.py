@@ -34,14 +34,18 @@ def parse_listen(value: str) -> tuple[str, int]:
     # A number that is no port is a different mistake from a malformed address: say which. Its length is
     # checked before int(), which raises ValueError past 4,300 digits (a traceback instead of this line).
     if port.startswith("-") or len(digits.lstrip("0")) > 5 or int(digits) > 65535:
-        raise ConfigError(f"listen: port {cut(port, 20)} in {cut(value, 80)!r} is out of range: a port is 1 to "
-                          "65535 (0 picks a free one)")
+        raise ConfigError(
+            f"listen: port {cut(port, 20)} in {cut(value, 80)!r} is out of range: a port is 1 to "
+            "65535 (0 picks a free one)"
+        )
     host = host.strip("[]")
     if not host:
         # ":PORT" means every interface to Go exporters (node_exporter's --web.listen-address) and
         # loopback to others: either reading exposes or hides /metrics by surprise, so ask which.
-        raise ConfigError(f"listen: {value!r} names no host; write 127.0.0.1:{port} (this machine only) or "
-                          f"0.0.0.0:{port} (every interface)")
+        raise ConfigError(
+            f"listen: {value!r} names no host; write 127.0.0.1:{port} (this machine only) or "
+            f"0.0.0.0:{port} (every interface)"
+        )
     return host, int(port)
 
 
@@ -68,8 +72,9 @@ class DaemonSection:
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"daemon.log_format: expected auto, json or console, got {self.log_format!r}")
         if self.log_level.lower() not in LOG_LEVELS:
-            raise ConfigError("daemon.log_level: expected debug, info, warning, error or critical, "
-                              f"got {self.log_level!r}")
+            raise ConfigError(
+                f"daemon.log_level: expected debug, info, warning, error or critical, got {self.log_level!r}"
+            )
         if self.textfile_interval_seconds <= 0:
             raise ConfigError("daemon.textfile_interval_seconds: must be > 0")
 
@@ -159,8 +164,14 @@ def from_mapping(data: dict[str, Any]) -> Config:
             continue
         if not isinstance(value, dict):
             # A key above the first table header (`listen = ...` without `[daemon]`), not a section.
-            owner = next((f"[{cls_name}]" for cls_name, cls in (("daemon", DaemonSection), ("runs", RunsSection))
-                          if section in {f.name for f in dataclasses.fields(cls)}), None)
+            owner = next(
+                (
+                    f"[{cls_name}]"
+                    for cls_name, cls in (("daemon", DaemonSection), ("runs", RunsSection))
+                    if section in {f.name for f in dataclasses.fields(cls)}
+                ),
+                None,
+            )
             where = f"it belongs under {owner}" if owner else "keys go under [daemon], [runs] or [checkpoints]"
             raise ConfigError(f"{section}: unknown key outside any table ({where})")
         raise ConfigError(f"{section}: unknown section")
@@ -189,8 +200,9 @@ def load(path: Path | None) -> Config:
     # tomllib lets these two through: a file saved in Latin-1 (a "é" in a comment) and arrays nested past the
     # recursion limit. Uncaught, one failed the start with a traceback and a SIGHUP stopped the running daemon.
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: not UTF-8 (byte {exc.start} is {exc.object[exc.start]:#04x})"
-                          ) from None
+        raise ConfigError(
+            f"{path}: not valid TOML: not UTF-8 (byte {exc.start} is {exc.object[exc.start]:#04x})"
+        ) from None
     except RecursionError:
         raise ConfigError(f"{path}: not valid TOML: nested too deeply") from None
     try:
@@ -216,6 +228,9 @@ class Overrides:
 
 
 def with_overrides(config: Config, overrides: Overrides) -> Config:
-    changes = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides)
-               if getattr(overrides, f.name) is not None}
+    changes = {
+        f.name: getattr(overrides, f.name)
+        for f in dataclasses.fields(overrides)
+        if getattr(overrides, f.name) is not None
+    }
     return dataclasses.replace(config, daemon=dataclasses.replace(config.daemon, **changes))

@@ -177,8 +177,14 @@ class ControlHub:
         caller = authorize(peer, self.control_group(), run)
         # What a client sends is cut for the log: it may be anything up to a 4 MiB frame.
         command, run_name = cut(request.name, MAX_NAME_CHARS), cut(request.run, MAX_NAME_CHARS)
-        log.info("command received", command=command, run=run_name, ranks=logged_ranks(request.ranks),
-                 args=bounded_fields(request.args), **who)
+        log.info(
+            "command received",
+            command=command,
+            run=run_name,
+            ranks=logged_ranks(request.ranks),
+            args=bounded_fields(request.args),
+            **who,
+        )
         if run is None:
             return CtlReply(request.run, request.name, [])
         # Once per rank: the same rank twice would get a trace command twice, and refuse the second.
@@ -204,8 +210,15 @@ class ControlHub:
                 if isinstance(one, _Sent):
                     self._waiting.pop(one.command_id, None)
         for result in results:
-            log.info("command result", command=command, run=run_name, rank=result.rank,
-                     status=result.status, message=cut(result.message), **who)
+            log.info(
+                "command result",
+                command=command,
+                run=run_name,
+                rank=result.rank,
+                status=result.status,
+                message=cut(result.message),
+                **who,
+            )
         return CtlReply(request.run, request.name, list(results))
 
     async def _await_reconnects(self, request: CtlRequest, most: float) -> float:
@@ -263,8 +276,7 @@ class ControlHub:
             rate = 0.0
         return step, float(rate)
 
-    async def _timeout_message(self, state: RankState, name: str, args: dict[str, FieldValue],
-                               timeout: float) -> str:
+    async def _timeout_message(self, state: RankState, name: str, args: dict[str, FieldValue], timeout: float) -> str:
         """Why a rank did not answer, asked of its agent thread: stuck, or waiting for a step boundary."""
         head = f"no answer within {timeout:g}s"
         reported = await self._agent_step(state)
@@ -272,17 +284,26 @@ class ControlHub:
             return f"{head} (its agent does not answer either: the process is stopped or hung)"
         step = reported[0]
         if step == 0:
-            return (f"{head}: the rank has finished no optimizer step yet, and commands apply right after "
-                    "optimizer.step() (a loop without a torch.optim optimizer never gets there)")
+            return (
+                f"{head}: the rank has finished no optimizer step yet, and commands apply right after "
+                "optimizer.step() (a loop without a torch.optim optimizer never gets there)"
+            )
         if name == "trace":
             first, steps = args.get("start_step"), args.get("steps")
-            span = f"steps {first}..{first + steps - 1}" if isinstance(first, int) and isinstance(steps, int) \
+            span = (
+                f"steps {first}..{first + steps - 1}"
+                if isinstance(first, int) and isinstance(steps, int)
                 else "the traced steps"
-            return (f"{head} (the rank is at step {step}; the trace of {span} still completes into its "
-                    "directory, unless the rank is stuck)")
+            )
+            return (
+                f"{head} (the rank is at step {step}; the trace of {span} still completes into its "
+                "directory, unless the rank is stuck)"
+            )
         # The agent keeps the command: it applies at that boundary all the same, the answer is only late.
-        return (f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck; "
-                "the command stays queued and applies there if the rank gets there)")
+        return (
+            f"{head} (the rank is at step {step} and has not reached its next step boundary, or is stuck; "
+            "the command stays queued and applies there if the rank gets there)"
+        )
 
     def _send(self, state: RankState | None, rank: int, name: str, args: dict[str, FieldValue]) -> _Sent | RankResult:
         """Write one command to the rank's connection, or the result that says why it could not be."""
@@ -299,8 +320,9 @@ class ControlHub:
         self._waiting[command_id] = (state, state.connection, future)
         return _Sent(state, rank, name, args, command_id, future)
 
-    async def _answer(self, sent: _Sent | RankResult, timeout: float, explain: bool = True,
-                      asked: float | None = None) -> RankResult:
+    async def _answer(
+        self, sent: _Sent | RankResult, timeout: float, explain: bool = True, asked: float | None = None
+    ) -> RankResult:
         """Wait `timeout` seconds for the answer to a command sent; `asked` is the timeout the client asked
         for, which a timeout's message names (the wait may be shorter: part of it went to reconnecting ranks)."""
         if isinstance(sent, RankResult):
@@ -310,16 +332,23 @@ class ControlHub:
         except TimeoutError:
             timed_out = True
         except Disconnected:
-            return RankResult(sent.rank, "not_connected", "the rank disconnected before answering (it exited, "
-                              "detached or reconnected)", {})
+            return RankResult(
+                sent.rank,
+                "not_connected",
+                "the rank disconnected before answering (it exited, detached or reconnected)",
+                {},
+            )
         else:
             timed_out = False
         finally:
             self._waiting.pop(sent.command_id, None)
         if timed_out:
             # Explaining asks the agent for its step: a question that must not be explained in turn.
-            message = (await self._timeout_message(sent.state, sent.name, sent.args, asked or timeout) if explain
-                       else "no answer")
+            message = (
+                await self._timeout_message(sent.state, sent.name, sent.args, asked or timeout)
+                if explain
+                else "no answer"
+            )
             return RankResult(sent.rank, "timeout", message, {})
         return RankResult(sent.rank, "ok" if result.ok else "failed", result.message, result.data)
 

@@ -29,8 +29,7 @@ JOURNAL_PRIORITIES: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "c
 def configure(log_format: str = "auto", level: str = "info") -> None:
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json
-        else _escaped(structlog.dev.ConsoleRenderer(colors=False))
+        structlog.processors.JSONRenderer() if use_json else _escaped(structlog.dev.ConsoleRenderer(colors=False))
     )
     if use_json and stderr_is_journal():
         renderer = _with_journal_priority(renderer)
@@ -50,19 +49,25 @@ def configure(log_format: str = "auto", level: str = "info") -> None:
     _route_stdlib_logging(renderer, timestamper, level)
 
 
-def _route_stdlib_logging(renderer: structlog.typing.Processor, timestamper: structlog.typing.Processor,
-                          level: str) -> None:
+def _route_stdlib_logging(
+    renderer: structlog.typing.Processor, timestamper: structlog.typing.Processor, level: str
+) -> None:
     """Render the standard library's records (asyncio's "Unhandled exception in ...", warnings) like ours.
 
     Left to logging's last-resort handler they are plain text, multi-line tracebacks included, in
     the middle of the JSON lines. The daemon is its own process: its root logger is ours to set.
     """
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, renderer],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
     root = logging.getLogger()
     root.handlers = [handler]  # replaced, not added to, at each reload
     root.setLevel(level.upper())
@@ -90,6 +95,7 @@ def _with_journal_priority(renderer: structlog.typing.Processor) -> structlog.ty
         priority = JOURNAL_PRIORITIES.get(str(event_dict.get("level")), 6)
         rendered = renderer(logger, method, event_dict)
         return f"<{priority}>{rendered.decode() if isinstance(rendered, bytes) else rendered}"
+
     return render
 
 
@@ -110,6 +116,7 @@ def _escaped(renderer: structlog.typing.Processor) -> structlog.typing.Processor
     the exception as they are; an agent's event name, field name or value could then clear the
     reader's screen, set the clipboard (OSC 52) or forge a line. A traceback keeps its line breaks.
     """
+
     def render(logger: object, method: str, event_dict: structlog.typing.EventDict) -> str:
         escaped: structlog.typing.EventDict = {}
         for key, value in event_dict.items():
@@ -122,6 +129,7 @@ def _escaped(renderer: structlog.typing.Processor) -> structlog.typing.Processor
             escaped[printable(str(key))] = value
         rendered = renderer(logger, method, escaped)
         return rendered.decode() if isinstance(rendered, bytes) else str(rendered)
+
     return render
 
 

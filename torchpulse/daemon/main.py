@@ -15,12 +15,22 @@ from torchpulse.daemon.server import raise_descriptor_limit
 from torchpulse.daemon.service import Daemon
 
 
-def run_daemon(config_path: str | None, socket: str | None, listen: str | None, state_dir: str | None,
-               log_format: str | None = None, log_level: str | None = None) -> int:
+def run_daemon(
+    config_path: str | None,
+    socket: str | None,
+    listen: str | None,
+    state_dir: str | None,
+    log_format: str | None = None,
+    log_level: str | None = None,
+) -> int:
     path = Path(config_path) if config_path else None
-    overrides = config_module.Overrides(socket=Path(socket) if socket else None, listen=listen,
-                                        state_dir=Path(state_dir) if state_dir else None, log_format=log_format,
-                                        log_level=log_level)
+    overrides = config_module.Overrides(
+        socket=Path(socket) if socket else None,
+        listen=listen,
+        state_dir=Path(state_dir) if state_dir else None,
+        log_format=log_format,
+        log_level=log_level,
+    )
     try:
         config = config_module.with_overrides(config_module.load(path), overrides)
         if listen is not None:

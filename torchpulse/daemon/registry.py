@@ -167,16 +167,29 @@ def _log_bucket_plan(hello: Hello, plan: BucketPlan) -> None:
     rebucketed = sorted(name for name, p in plan.items() if not isinstance(p, Refused))
     fields = {"run": hello.run, "rank": hello.rank, "agent_version": hello.agent_version}
     if rebucketed:
-        log.info("agent buckets histograms more finely than this daemon; summed into the daemon's buckets",
-                 families=rebucketed, **fields)
+        log.info(
+            "agent buckets histograms more finely than this daemon; summed into the daemon's buckets",
+            families=rebucketed,
+            **fields,
+        )
     if refused:
-        log.warning("agent buckets histograms otherwise than this daemon; those histograms are refused "
-                    "(bad_buckets) until the job runs the daemon's torchpulse version", families=refused, **fields)
+        log.warning(
+            "agent buckets histograms otherwise than this daemon; those histograms are refused "
+            "(bad_buckets) until the job runs the daemon's torchpulse version",
+            families=refused,
+            **fields,
+        )
 
 
 class Registry:
-    def __init__(self, series_limit_per_run: int = 5000, grace_period: float = 300.0, max_runs: int = 1000,
-                 max_ranks_per_run: int = 1024, lost_grace_period: float = 3600.0) -> None:
+    def __init__(
+        self,
+        series_limit_per_run: int = 5000,
+        grace_period: float = 300.0,
+        max_runs: int = 1000,
+        max_ranks_per_run: int = 1024,
+        lost_grace_period: float = 3600.0,
+    ) -> None:
         self.series_limit_per_run = series_limit_per_run
         self.grace_period = grace_period
         self.lost_grace_period = lost_grace_period
@@ -195,33 +208,52 @@ class Registry:
     def connect(self, hello: Hello, peer: Peer | None) -> tuple[RunState, RankState]:
         # `run` is a label on every series of the run and `host` one of run_info: a
         # megabyte-long name would be copied into thousands of rendered series.
-        for name, value, limit in (("run", hello.run, MAX_LABEL_CHARS), ("host", hello.host, MAX_LABEL_CHARS),
-                                   ("torch_version", hello.torch_version, MAX_LABEL_CHARS),
-                                   ("agent_version", hello.agent_version, MAX_LABEL_CHARS),
-                                   ("command", hello.command, MAX_COMMAND_CHARS)):
+        for name, value, limit in (
+            ("run", hello.run, MAX_LABEL_CHARS),
+            ("host", hello.host, MAX_LABEL_CHARS),
+            ("torch_version", hello.torch_version, MAX_LABEL_CHARS),
+            ("agent_version", hello.agent_version, MAX_LABEL_CHARS),
+            ("command", hello.command, MAX_COMMAND_CHARS),
+        ):
             if len(value) > limit:
                 raise FrameError("invalid_frame", f"hello: {name} is longer than {limit} characters")
         run = self.runs.get(hello.run)
         if run is None:
             if len(self.runs) >= self.max_runs and not self._forget_oldest_ended_run():
-                raise FrameError("too_many_runs", f"the daemon already holds {self.max_runs} runs with a "
-                                 "connected agent (runs.max_runs); retrying")
+                raise FrameError(
+                    "too_many_runs",
+                    f"the daemon already holds {self.max_runs} runs with a connected agent (runs.max_runs); retrying",
+                )
             run = self.runs[hello.run] = RunState(hello.run)
         previous = run.ranks.get(hello.rank)
         if previous is None and len(run.ranks) >= self.max_ranks_per_run and not self._forget_a_rank(run):
-            raise FrameError("too_many_ranks", f"run {hello.run!r} already has {self.max_ranks_per_run} "
-                             "connected ranks here (runs.max_ranks_per_run); retrying")
-        same_process = previous is not None and (previous.hello.pid, previous.hello.host,
-                                                 previous.hello.started_at) == (hello.pid, hello.host, hello.started_at)
-        if (previous is not None and previous.connected and not previous.exited and not same_process
-                and _still_running(previous.peer)):
+            raise FrameError(
+                "too_many_ranks",
+                f"run {hello.run!r} already has {self.max_ranks_per_run} "
+                "connected ranks here (runs.max_ranks_per_run); retrying",
+            )
+        same_process = previous is not None and (
+            previous.hello.pid,
+            previous.hello.host,
+            previous.hello.started_at,
+        ) == (hello.pid, hello.host, hello.started_at)
+        if (
+            previous is not None
+            and previous.connected
+            and not previous.exited
+            and not same_process
+            and _still_running(previous.peer)
+        ):
             # Two live processes claim one rank: taking turns, they would overwrite each other's
             # running totals (counters jumping back and forth). The first keeps it. One whose agent
             # said goodbye gave the rank up, though its connection may outlive that (a forked child
             # holding the socket, a close not read yet): it is no claimant.
-            raise FrameError("rank_taken", f"rank {hello.rank} of run {hello.run!r} is held by pid "
-                             f"{previous.hello.pid} on {previous.hello.host!r}: two processes report as one rank "
-                             "(two jobs with one run name, or a wrong RANK); retrying")
+            raise FrameError(
+                "rank_taken",
+                f"rank {hello.rank} of run {hello.run!r} is held by pid "
+                f"{previous.hello.pid} on {previous.hello.host!r}: two processes report as one rank "
+                "(two jobs with one run name, or a wrong RANK); retrying",
+            )
         run.ended_at = None
         self._forget_restarted_ranks(run, hello)
         if previous is not None and previous.connected and previous.close is not None:
@@ -257,12 +289,24 @@ class Registry:
         (ranks without LOCAL_RANK all read 0) reconnecting later is no restart.
         """
         for rank, state in list(run.ranks.items()):
-            if (rank != hello.rank and not state.connected and not state.exited
-                    and state.disconnected_wall is not None and hello.started_at > state.disconnected_wall
-                    and (state.hello.host, state.hello.local_rank) == (hello.host, hello.local_rank)):
+            if (
+                rank != hello.rank
+                and not state.connected
+                and not state.exited
+                and state.disconnected_wall is not None
+                and hello.started_at > state.disconnected_wall
+                and (state.hello.host, state.hello.local_rank) == (hello.host, hello.local_rank)
+            ):
                 Registry._drop_rank(run, rank)
-                log.info("rank forgotten: its slot was restarted as another rank", run=run.name, rank=rank,
-                         pid=state.hello.pid, local_rank=hello.local_rank, restarted_as=hello.rank, new_pid=hello.pid)
+                log.info(
+                    "rank forgotten: its slot was restarted as another rank",
+                    run=run.name,
+                    rank=rank,
+                    pid=state.hello.pid,
+                    local_rank=hello.local_rank,
+                    restarted_as=hello.rank,
+                    new_pid=hello.pid,
+                )
 
     def _forget_oldest_ended_run(self) -> bool:
         # Runs that ended cleanly first: forgetting one that lost a rank silently ends its down alert.
@@ -271,8 +315,9 @@ class Registry:
             return False
         *_, name = min(ended)
         del self.runs[name]
-        log.info("ended run forgotten before its grace period to make room (runs.max_runs)", run=name,
-                 max_runs=self.max_runs)
+        log.info(
+            "ended run forgotten before its grace period to make room (runs.max_runs)", run=name, max_runs=self.max_runs
+        )
         return True
 
     @staticmethod
@@ -398,7 +443,8 @@ class Registry:
         """
         now = time.monotonic() if now is None else now
         expired = [
-            name for name, run in self.runs.items()
+            name
+            for name, run in self.runs.items()
             if run.ended_at is not None
             and now - run.ended_at >= (self.lost_grace_period if run.lost_a_rank else self.grace_period)
         ]
@@ -407,8 +453,12 @@ class Registry:
         departed: list[tuple[str, int]] = []
         for run in self.runs.values():
             for rank, state in list(run.ranks.items()):
-                if (state.exited and not state.connected and state.disconnected_at is not None
-                        and now - state.disconnected_at >= self.grace_period):
+                if (
+                    state.exited
+                    and not state.connected
+                    and state.disconnected_at is not None
+                    and now - state.disconnected_at >= self.grace_period
+                ):
                     self._drop_rank(run, rank)
                     departed.append((run.name, rank))
         return expired, departed

@@ -104,8 +104,18 @@ MAX_DETAIL_CHARS: Final = 1000
 # While a rank's log events are suppressed (see RankState.log_budget), how often the daemon says how many.
 SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
-RESERVED_FIELDS: Final = {"event", "run", "rank", "agent_ts", "level", "timestamp", "self", "exc_info", "exception",
-                          "stack_info"}
+RESERVED_FIELDS: Final = {
+    "event",
+    "run",
+    "rank",
+    "agent_ts",
+    "level",
+    "timestamp",
+    "self",
+    "exc_info",
+    "exception",
+    "stack_info",
+}
 
 
 class StalledReader(Exception):
@@ -162,8 +172,13 @@ class StatusReplies:
 
 
 class AgentServer:
-    def __init__(self, registry: Registry, status: Callable[[], StatusReply], control: ControlHub,
-                 on_checkpoint: Callable[[str, int, CheckpointSaved], None] | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        status: Callable[[], StatusReply],
+        control: ControlHub,
+        on_checkpoint: Callable[[str, int, CheckpointSaved], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.on_checkpoint = on_checkpoint
         self.status = status
@@ -222,8 +237,12 @@ class AgentServer:
         except OSError as exc:
             if self._rebind_error != str(exc):  # logged once per reason; retried every housekeeping tick
                 self._rebind_error = str(exc)
-                log.error("agent socket removed while running and cannot be bound again; new agents cannot "
-                          "connect until a restart", path=str(path), error=str(exc))
+                log.error(
+                    "agent socket removed while running and cannot be bound again; new agents cannot "
+                    "connect until a restart",
+                    path=str(path),
+                    error=str(exc),
+                )
             return
         self._rebind_error = None
         old, self._server = self._server, server
@@ -256,10 +275,12 @@ class AgentServer:
         try:
             # At the limit, a client that does not read its status reply gives way: it would hold its slot
             # until WRITE_TIMEOUT while agents' hellos were refused.
-            if (len(self._tasks) > self.max_connections
-                    and not self._status_held.cut_off_oldest(stuck_for=STUCK_STATUS_SECONDS)):
-                raise FrameError("too_many_connections", f"the daemon already holds {self.max_connections} "
-                                 "connections; retrying")
+            if len(self._tasks) > self.max_connections and not self._status_held.cut_off_oldest(
+                stuck_for=STUCK_STATUS_SECONDS
+            ):
+                raise FrameError(
+                    "too_many_connections", f"the daemon already holds {self.max_connections} connections; retrying"
+                )
             while True:
                 timeout = FIRST_FRAME_TIMEOUT if registered is None else AGENT_IDLE_TIMEOUT
                 frame = await self._read_frame(reader, timeout)
@@ -268,18 +289,25 @@ class AgentServer:
                 if registered is None:
                     if isinstance(frame, Hello):
                         if self.registry.connections >= self.max_connections - CLIENT_RESERVE:
-                            raise FrameError("too_many_connections", "the daemon already holds "
-                                             f"{self.registry.connections} agent connections; retrying")
+                            raise FrameError(
+                                "too_many_connections",
+                                f"the daemon already holds {self.registry.connections} agent connections; retrying",
+                            )
                         _refuse_another_users_run(self.registry.runs.get(frame.run), frame, peer)
                         registered = self.registry.connect(frame, peer)
                         state = registered[1]
                         if self.on_checkpoint is not None:
-                            announcements = Announcements(peer, self.on_checkpoint, self._announcing,
-                                                           state.log_budget)
+                            announcements = Announcements(peer, self.on_checkpoint, self._announcing, state.log_budget)
                         state.channel, state.close, state.connection = writer.write, writer.close, connection
                         writer.write(encode(Welcome(torchpulse.__version__)))
-                        log.info("agent connected", run=frame.run, rank=frame.rank, pid=frame.pid,
-                                 host=frame.host, torch=frame.torch_version)
+                        log.info(
+                            "agent connected",
+                            run=frame.run,
+                            rank=frame.rank,
+                            pid=frame.pid,
+                            host=frame.host,
+                            torch=frame.torch_version,
+                        )
                     elif isinstance(frame, StatusRequest):
                         await self._send_status(writer)
                         return
@@ -314,8 +342,9 @@ class AgentServer:
         except StalledReader:
             writer.transport.abort()  # a graceful close would wait for it to read, a second WRITE_TIMEOUT
         except Exception as exc:  # a daemon bug must cost one connection, never the daemon
-            self._reject(FrameError("internal_error", f"the daemon failed on this frame: {exc!r}"), writer, peer,
-                         exc_info=True)
+            self._reject(
+                FrameError("internal_error", f"the daemon failed on this frame: {exc!r}"), writer, peer, exc_info=True
+            )
         finally:
             if registered is not None:
                 run, rank = registered
@@ -327,8 +356,13 @@ class AgentServer:
                 # Without a goodbye the process crashed, failed, was killed or hangs: the journal says so
                 # at the level an operator looks at (a connection a newer hello took over is no news).
                 crashed = owned and not rank.exited
-                (log.warning if crashed else log.info)("agent disconnected", run=run.name, rank=rank.hello.rank,
-                                                       pid=rank.hello.pid, said_goodbye=rank.exited)
+                (log.warning if crashed else log.info)(
+                    "agent disconnected",
+                    run=run.name,
+                    rank=rank.hello.rank,
+                    pid=rank.hello.pid,
+                    said_goodbye=rank.exited,
+                )
             await close_connection(writer, WRITE_TIMEOUT)
             if task is not None:
                 self._tasks.discard(task)
@@ -347,12 +381,17 @@ class AgentServer:
             raise StalledReader from None
 
     def _status_cut_off(self, connections: int) -> None:
-        log.warning("status clients cut off: they do not read their replies, and the replies held for them "
-                    "passed the budget or their connections the limit", connections=connections,
-                    max_held_bytes=MAX_STATUS_HELD_BYTES, max_connections=self.max_connections)
+        log.warning(
+            "status clients cut off: they do not read their replies, and the replies held for them "
+            "passed the budget or their connections the limit",
+            connections=connections,
+            max_held_bytes=MAX_STATUS_HELD_BYTES,
+            max_connections=self.max_connections,
+        )
 
-    async def _ctl(self, request: CtlRequest, peer: Peer | None, reader: asyncio.StreamReader,
-                   writer: asyncio.StreamWriter) -> None:
+    async def _ctl(
+        self, request: CtlRequest, peer: Peer | None, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         # A ctl client sends one frame, then only waits: the end of its stream means it hung up (Ctrl-C). The
         # command is then dropped here at once: waiting on for a hung rank's answer (up to an hour) held one of
         # the connections kept for status and ctl, so a few abandoned commands could lock operators out.
@@ -373,22 +412,34 @@ class AgentServer:
                     await handling  # unwinds at once: its commands leave the table of answers awaited
         if handling.cancelled() and sent_more:
             # Not a hang-up: a client that is still there is told why it gets no answer.
-            raise FrameError("unexpected_type", "a ctl connection carries one request and then waits for the "
-                             f"reply, but more bytes followed it: the {cut(request.name, MAX_NAME_CHARS)!r} "
-                             f"command for run {cut(request.run, MAX_NAME_CHARS)!r} was dropped (ranks it "
-                             "reached may still apply it)")
+            raise FrameError(
+                "unexpected_type",
+                "a ctl connection carries one request and then waits for the "
+                f"reply, but more bytes followed it: the {cut(request.name, MAX_NAME_CHARS)!r} "
+                f"command for run {cut(request.run, MAX_NAME_CHARS)!r} was dropped (ranks it "
+                "reached may still apply it)",
+            )
         if handling.cancelled():
-            log.info("command abandoned by its client; ranks it reached may still apply it",
-                     command=cut(request.name, MAX_NAME_CHARS), run=cut(request.run, MAX_NAME_CHARS),
-                     ranks_reached=logged_ranks(reached),
-                     uid=peer.uid if peer else None, pid=peer.pid if peer else None)
+            log.info(
+                "command abandoned by its client; ranks it reached may still apply it",
+                command=cut(request.name, MAX_NAME_CHARS),
+                run=cut(request.run, MAX_NAME_CHARS),
+                ranks_reached=logged_ranks(reached),
+                uid=peer.uid if peer else None,
+                pid=peer.pid if peer else None,
+            )
             return
         try:
             reply: CtlReply | ErrorReply = handling.result()
         except NotAuthorized as exc:
-            log.warning("command refused", command=cut(request.name, MAX_NAME_CHARS),
-                        run=cut(request.run, MAX_NAME_CHARS),
-                        uid=peer.uid if peer else None, pid=peer.pid if peer else None, reason=str(exc))
+            log.warning(
+                "command refused",
+                command=cut(request.name, MAX_NAME_CHARS),
+                run=cut(request.run, MAX_NAME_CHARS),
+                uid=peer.uid if peer else None,
+                pid=peer.pid if peer else None,
+                reason=str(exc),
+            )
             reply = ErrorReply("not_authorized", str(exc))
         writer.write(encode(reply))
         await drain(writer)
@@ -424,16 +475,20 @@ class AgentServer:
         self._buffered -= length
         self._buffer_freed.set()
 
-    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: Peer | None,
-                exc_info: bool = False) -> None:
+    def _reject(self, exc: FrameError, writer: asyncio.StreamWriter, peer: Peer | None, exc_info: bool = False) -> None:
         self.registry.reject_frame(exc.reason)
         detail = cut(str(exc), MAX_DETAIL_CHARS)
         now = time.monotonic()
         if now - self._last_reject_log.get(exc.reason, -REJECT_LOG_INTERVAL) >= REJECT_LOG_INTERVAL:
             self._last_reject_log[exc.reason] = now
-            log.warning("rejected a frame and closed the connection", reason=exc.reason, detail=detail,
-                        peer_pid=peer.pid if peer else None, peer_uid=peer.uid if peer else None,
-                        exc_info=exc_info)
+            log.warning(
+                "rejected a frame and closed the connection",
+                reason=exc.reason,
+                detail=detail,
+                peer_pid=peer.pid if peer else None,
+                peer_uid=peer.uid if peer else None,
+                exc_info=exc_info,
+            )
         with contextlib.suppress(Exception):
             writer.write(encode(ErrorReply(exc.reason, detail)))
 
@@ -447,8 +502,13 @@ class AgentServer:
             level = event.level if event.level in LOG_LEVELS else "info"
             # An agent's field must not override who sent it.
             fields = {(f"field_{k}" if k in RESERVED_FIELDS else k): v for k, v in event.fields.items()}
-            getattr(log, level)(cut(event.event, MAX_NAME_CHARS), run=run, rank=state.hello.rank, agent_ts=event.ts,
-                                **bounded_fields(fields))
+            getattr(log, level)(
+                cut(event.event, MAX_NAME_CHARS),
+                run=run,
+                rank=state.hello.rank,
+                agent_ts=event.ts,
+                **bounded_fields(fields),
+            )
         _report_suppressed(run, state, now)
 
 
@@ -464,8 +524,11 @@ def _refuse_another_users_run(run: RunState | None, hello: Hello, peer: Peer | N
     uid = peer.uid if peer is not None else None
     owner = min((other for other in run.reporting_uids if other is not None and other != uid), default=None)
     if owner is not None:
-        raise FrameError("run_owned", f"run {hello.run!r} is reported by another user (uid {owner}) on this "
-                         "node; give this job another run name (TORCHPULSE_RUN, --run-name); retrying")
+        raise FrameError(
+            "run_owned",
+            f"run {hello.run!r} is reported by another user (uid {owner}) on this "
+            "node; give this job another run name (TORCHPULSE_RUN, --run-name); retrying",
+        )
 
 
 def _report_suppressed(run: str, state: RankState, now: float, final: bool = False) -> None:
@@ -473,9 +536,15 @@ def _report_suppressed(run: str, state: RankState, now: float, final: bool = Fal
     suppressed = state.log_budget.suppressed + state.node_log_budget.suppressed
     if not suppressed or (not final and now - state.suppressed_reported_at < SUPPRESSED_REPORT_INTERVAL):
         return
-    log.warning("agent log events suppressed: this rank sends more than the daemon writes", run=run,
-                rank=state.hello.rank, suppressed=suppressed, autograd_node=state.node_log_budget.suppressed,
-                burst=state.log_budget.burst, per_second=state.log_budget.rate)
+    log.warning(
+        "agent log events suppressed: this rank sends more than the daemon writes",
+        run=run,
+        rank=state.hello.rank,
+        suppressed=suppressed,
+        autograd_node=state.node_log_budget.suppressed,
+        burst=state.log_budget.burst,
+        per_second=state.log_budget.rate,
+    )
     state.log_budget.suppressed = state.node_log_budget.suppressed = 0
     state.suppressed_reported_at = now
 

@@ -54,13 +54,19 @@ class Daemon:
 
     def __post_init__(self) -> None:
         runs = self.config.runs
-        self.registry = Registry(runs.series_limit_per_run, runs.grace_period_seconds, runs.max_runs,
-                                 runs.max_ranks_per_run, runs.lost_grace_period_seconds)
+        self.registry = Registry(
+            runs.series_limit_per_run,
+            runs.grace_period_seconds,
+            runs.max_runs,
+            runs.max_ranks_per_run,
+            runs.lost_grace_period_seconds,
+        )
         self.checkpoints = CheckpointService(checkpoint_config.from_config(self.config), self.config.daemon.state_dir)
         if self.checkpoint_summary is _no_checkpoint_summary:
             self.checkpoint_summary = self.checkpoints.summary
-        self.exposition = build_exposition(self.registry, extra=[
-            CheckpointCollector(self.checkpoints.stats, self.checkpoints.state_persistent)])
+        self.exposition = build_exposition(
+            self.registry, extra=[CheckpointCollector(self.checkpoints.stats, self.checkpoints.state_persistent)]
+        )
         self.control = ControlHub(self.registry, lambda: self.config.daemon.control_group)
         self.agents = AgentServer(self.registry, self.status, self.control, on_checkpoint=self.checkpoints.announce)
         self.metrics = MetricsServer(self.exposition)
@@ -81,9 +87,16 @@ class Daemon:
                 world_size=run.info.world_size if run.info else 0,
                 ended=run.ended_at is not None,
                 ranks=[
-                    RankStatus(rank=rank, pid=st.hello.pid, host=st.hello.host, connected=st.connected,
-                               exited=st.exited, events_received=st.events_received, events_dropped=st.events_dropped,
-                               last_seen_seconds_ago=round(now - st.last_seen, 3))
+                    RankStatus(
+                        rank=rank,
+                        pid=st.hello.pid,
+                        host=st.hello.host,
+                        connected=st.connected,
+                        exited=st.exited,
+                        events_received=st.events_received,
+                        events_dropped=st.events_dropped,
+                        last_seen_seconds_ago=round(now - st.last_seen, 3),
+                    )
                     for rank, st in sorted(run.ranks.items())
                 ],
             )
@@ -120,9 +133,13 @@ class Daemon:
             await self.agents.close()
             await self._remove_textfile(self.config.daemon.textfile)
             raise
-        log.info("daemon ready", version=torchpulse.__version__, pid=os.getpid(),
-                 socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
-                 metrics=f"http://{_url_host(host)}:{self.metrics.port}/metrics")
+        log.info(
+            "daemon ready",
+            version=torchpulse.__version__,
+            pid=os.getpid(),
+            socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
+            metrics=f"http://{_url_host(host)}:{self.metrics.port}/metrics",
+        )
         for callback in self.on_ready:
             callback(self)
         systemd.notify("READY=1\n" + self._status_line())
@@ -144,8 +161,7 @@ class Daemon:
     def _status_line(self) -> str:
         runs, ranks = self.registry.counts()
         roots, not_valid = self.checkpoint_summary()
-        return systemd.status_message(runs=runs, ranks=ranks, checkpoint_roots=roots,
-                                      checkpoints_not_valid=not_valid)
+        return systemd.status_message(runs=runs, ranks=ranks, checkpoint_roots=roots, checkpoints_not_valid=not_valid)
 
     def stop(self) -> None:
         if not self._stopping.is_set():
@@ -206,7 +222,8 @@ class Daemon:
         self.registry.max_ranks_per_run = new.runs.max_ranks_per_run
         self.checkpoints.apply_config(checkpoints)
         self.config = config_module.with_overrides(
-            new, Overrides(socket=running.socket, listen=running.listen, state_dir=running.state_dir))
+            new, Overrides(socket=running.socket, listen=running.listen, state_dir=running.state_dir)
+        )
         if running.textfile and running.textfile != new.daemon.textfile:
             # Left in place, node_exporter would serve its frozen values (agent_up 1) for as long as it runs.
             removal = asyncio.create_task(self._remove_textfile(running.textfile), name="remove old textfile")
@@ -221,8 +238,10 @@ class Daemon:
         if self._textfile_write is not None and not self._textfile_write.done():
             if not self._textfile_stalled:
                 self._textfile_stalled = True
-                log.warning("the previous textfile write has not finished (a hung filesystem?); skipping writes "
-                            "until it does", path=str(path))
+                log.warning(
+                    "the previous textfile write has not finished (a hung filesystem?); skipping writes until it does",
+                    path=str(path),
+                )
             return
         self._textfile_stalled = False
         # Rendered here: the registry changes on this loop and must not be read from another thread.

@@ -141,8 +141,11 @@ def _note_no_limit_hook(exc: BaseException) -> None:
     global _limit_hook_noted
     if not _limit_hook_noted:
         _limit_hook_noted = True
-        log.warning("this watchdog's inotify internals differ: running out of inotify watches below a root "
-                    "is noticed only by the periodic sweep", error=describe(exc))
+        log.warning(
+            "this watchdog's inotify internals differ: running out of inotify watches below a root "
+            "is noticed only by the periodic sweep",
+            error=describe(exc),
+        )
 
 
 class _SafeInotifyEmitter(InotifyEmitter):
@@ -156,10 +159,13 @@ class _SafeInotifyEmitter(InotifyEmitter):
         # watchdog 7: another shape falls back to its own start (the limit is then met silently).
         try:
             limit = _WatchLimit(self._inotify_fd)
-            group = InotifyWatchGroup(cast("InotifyFD", limit), os.fsencode(self.watch.path),
-                                      is_recursive=self.watch.is_recursive,
-                                      event_mask=self.get_event_mask_from_filter(),
-                                      follow_symlink=self.watch.follow_symlink)
+            group = InotifyWatchGroup(
+                cast("InotifyFD", limit),
+                os.fsencode(self.watch.path),
+                is_recursive=self.watch.is_recursive,
+                event_mask=self.get_event_mask_from_filter(),
+                follow_symlink=self.watch.follow_symlink,
+            )
         except (AttributeError, TypeError) as exc:
             _note_no_limit_hook(exc)
             super().on_thread_start()
@@ -268,8 +274,13 @@ class _Entry:
 class Watcher:
     """Schedules roots on the right observer and forwards their events to `deliver` on `loop`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[WatchEvent], None],
-                 poll_interval: float, mounts: Callable[[], list[Mount]] = read_mounts) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[WatchEvent], None],
+        poll_interval: float,
+        mounts: Callable[[], list[Mount]] = read_mounts,
+    ) -> None:
         self._loop = loop
         self._deliver = deliver
         self._poll_interval = poll_interval

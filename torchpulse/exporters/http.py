@@ -40,9 +40,17 @@ WRITE_CHUNK: Final = 256 << 10
 MAX_REUSE_SECONDS: Final = 5.0
 # After an error answer, how long what the client still sends is read and dropped (see `_refuse`).
 LINGER_TIMEOUT: Final = 2.0
-REASONS: Final = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  413: "Content Too Large", 414: "URI Too Long", 431: "Request Header Fields Too Large",
-                  503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+REASONS: Final = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Content Too Large",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
+}
 # RFC 9110 5.6.2 (methods, field names); RFC 9112 3.2 (a target is visible ASCII).
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TARGET = re.compile(r"[\x21-\x7e]+")
@@ -60,8 +68,11 @@ class BadRequest(Exception):
 
 
 def _cut_off(connections: int) -> None:
-    log.warning("scrape clients cut off: they do not read their responses and the bodies held for them "
-                "passed the budget", connections=connections, max_held_bytes=MAX_HELD_BYTES)
+    log.warning(
+        "scrape clients cut off: they do not read their responses and the bodies held for them passed the budget",
+        connections=connections,
+        max_held_bytes=MAX_HELD_BYTES,
+    )
 
 
 class MetricsServer:
@@ -85,8 +96,10 @@ class MetricsServer:
             self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEADER_BYTES)
         except OSError as exc:
             # asyncio says which address, not which setting: name the key and the flag that choose it.
-            raise OSError(exc.errno, f"cannot serve /metrics on {host}:{port} (daemon.listen in the config, "
-                                     f"or --listen): {exc.strerror}") from None
+            raise OSError(
+                exc.errno,
+                f"cannot serve /metrics on {host}:{port} (daemon.listen in the config, or --listen): {exc.strerror}",
+            ) from None
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -206,8 +219,9 @@ class MetricsServer:
         except (ConnectionError, TimeoutError):
             writer.transport.abort()
 
-    async def _route(self, writer: asyncio.StreamWriter, method: str, target: str,
-                     headers: dict[str, str], keep_alive: bool) -> None:
+    async def _route(
+        self, writer: asyncio.StreamWriter, method: str, target: str, headers: dict[str, str], keep_alive: bool
+    ) -> None:
         path = target.split("?", 1)[0]
         # A HEAD answer carries no body on any path: body bytes would be read as the next response.
         head = method == "HEAD"
@@ -222,8 +236,9 @@ class MetricsServer:
             await self._respond(writer, 200, body, CONTENT_TYPE, keep_alive, "gzip" if compressed else None, head)
         elif path == "/healthz":
             ok = self.health()
-            await self._respond(writer, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n",
-                                keep_alive=keep_alive, head=head)
+            await self._respond(
+                writer, 200 if ok else 503, b"ok\n" if ok else b"unhealthy\n", keep_alive=keep_alive, head=head
+            )
         elif path == "/":
             await self._respond(writer, 200, LANDING, "text/html; charset=utf-8", keep_alive, head=head)
         else:
@@ -247,9 +262,16 @@ class MetricsServer:
         assert cached[3] is not None
         return cached[3]
 
-    async def _respond(self, writer: asyncio.StreamWriter, status: int, body: bytes,
-                       content_type: str = "text/plain; charset=utf-8", keep_alive: bool = True,
-                       encoding: str | None = None, head: bool = False) -> None:
+    async def _respond(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
+        keep_alive: bool = True,
+        encoding: str | None = None,
+        head: bool = False,
+    ) -> None:
         lines = [
             f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
             f"Content-Type: {content_type}",

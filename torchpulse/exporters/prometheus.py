@@ -66,10 +66,14 @@ class Exposition:
 
     def render(self) -> bytes:
         chunks: list[bytes] = []
-        duration = GaugeMetricFamily("torchpulse_scrape_collector_duration_seconds",
-                                     "Time a collector took in this scrape.", labels=["collector"])
-        success = GaugeMetricFamily("torchpulse_scrape_collector_success",
-                                    "1 if the collector succeeded in this scrape.", labels=["collector"])
+        duration = GaugeMetricFamily(
+            "torchpulse_scrape_collector_duration_seconds",
+            "Time a collector took in this scrape.",
+            labels=["collector"],
+        )
+        success = GaugeMetricFamily(
+            "torchpulse_scrape_collector_success", "1 if the collector succeeded in this scrape.", labels=["collector"]
+        )
         for name, source in self._entries:
             start = time.perf_counter()
             try:
@@ -88,5 +92,4 @@ class Exposition:
 
 
 def build_exposition(registry: Registry, extra: Sequence[NamedCollector | TextCollector] = ()) -> Exposition:
-    return Exposition([DaemonCollector(registry), AgentsCollector(registry), AgentSeriesCollector(registry),
-                       *extra])
+    return Exposition([DaemonCollector(registry), AgentsCollector(registry), AgentSeriesCollector(registry), *extra])

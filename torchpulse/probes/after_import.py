@@ -29,8 +29,9 @@ class _Finder(importlib.abc.MetaPathFinder):
         self.lock = threading.Lock()
         self.waiting: dict[str, list[AfterImport]] = {}
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.waiting:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

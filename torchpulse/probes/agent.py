@@ -135,8 +135,9 @@ class Agent:
                     log.warning("dropped a record that failed to aggregate", error=repr(exc))
 
     def _sync_drop_counters(self) -> None:
-        for reason, total in zip(DROP_REASONS, (self._buffer_drops, self._event_drops, self._oversized_drops),
-                                 strict=True):
+        for reason, total in zip(
+            DROP_REASONS, (self._buffer_drops, self._event_drops, self._oversized_drops), strict=True
+        ):
             if total != self._reported_drops.get(reason, 0):
                 self.store.inc("agent_events_dropped_total", (reason,), total - self._reported_drops.get(reason, 0))
                 self._reported_drops[reason] = total

@@ -57,8 +57,13 @@ def _torch_supported() -> bool:
     return True
 
 
-def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | None = None,
-           run: str | None = None, **config: Any) -> Agent | None:
+def attach(
+    *,
+    probes: tuple[str, ...] | list[str] | None = None,
+    socket: str | None = None,
+    run: str | None = None,
+    **config: Any,
+) -> Agent | None:
     """Start this process's agent and install the probes (all configured ones by default).
 
     Attaching twice returns the running agent with a warning. Returns None when
@@ -81,8 +86,11 @@ def attach(*, probes: tuple[str, ...] | list[str] | None = None, socket: str | N
 
         identity = current_identity(env)
         previous = _previous_store
-        agent = Agent(agent_config, identity, previous[1] if previous is not None
-                      and previous[0] == (os.getpid(), identity.run, identity.rank) else None)
+        agent = Agent(
+            agent_config,
+            identity,
+            previous[1] if previous is not None and previous[0] == (os.getpid(), identity.run, identity.rank) else None,
+        )
         for name in agent_config.probes:
             probe = _make_probe(name, agent)
             if probe is not None:

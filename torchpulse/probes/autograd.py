@@ -164,8 +164,12 @@ class AutogradProbe(Probe):
             "sample_every": self._sample_every,
             "logging_passes_left": self._log_left,
             "parameters_checked": self._check.known,
-            "last_sampled_pass": None if sample is None else {
-                "pass_index": sample.pass_index, "kind": sample.kind, "seconds": sample.seconds,
+            "last_sampled_pass": None
+            if sample is None
+            else {
+                "pass_index": sample.pass_index,
+                "kind": sample.kind,
+                "seconds": sample.seconds,
                 "node_seconds": sample.node_seconds,
                 "slowest": [(n.name, n.sequence_nr, n.seconds) for n in sample.slowest],
             },
@@ -173,8 +177,9 @@ class AutogradProbe(Probe):
 
     # -- install ------------------------------------------------------------
     def _install(self) -> None:
-        graph_patch = _Patch(torch.autograd.graph, "_engine_run_backward",
-                             self._wrap(torch.autograd.graph._engine_run_backward))
+        graph_patch = _Patch(
+            torch.autograd.graph, "_engine_run_backward", self._wrap(torch.autograd.graph._engine_run_backward)
+        )
         self._keep(graph_patch)
         # Usually the same function; wrap separately if someone patched only one.
         current = torch.autograd._engine_run_backward  # type: ignore[attr-defined]
@@ -182,7 +187,8 @@ class AutogradProbe(Probe):
         wrapper = graph_patch._replacement if same else self._wrap(current)
         self._keep(_Patch(torch.autograd, "_engine_run_backward", wrapper))
         self._install_after_import(
-            tf.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper))
+            tf.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper)
+        )
         if self.config.nonfinite:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -262,16 +268,14 @@ class AutogradProbe(Probe):
         return _engine_run_backward
 
     # -- training thread ----------------------------------------------------
-    def _begin(self, t_outputs: Sequence[Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> _Plan | None:
+    def _begin(self, t_outputs: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan | None:
         try:
             return self._plan(t_outputs, args, kwargs)
         except Exception as exc:  # probe bugs must never reach the job
             self.fail(exc)
             return None
 
-    def _plan(self, t_outputs: Sequence[Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> _Plan | None:
+    def _plan(self, t_outputs: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan | None:
         first = t_outputs[0] if len(t_outputs) else None
         if first is not None and type(first) not in _PLAIN and _is_traced(first):
             return None
@@ -314,8 +318,9 @@ class AutogradProbe(Probe):
             # Only a pass that accumulates is checked, and only the check prunes what is tracked: a job of
             # `autograd.grad` passes alone (or no check at all) would keep a dead input leaf per timed pass.
             track = self._check.track if self.config.nonfinite and accumulate else _ignore
-            plan.timer = PassTimer(roots_of(t_outputs), detailed=plan.logged, on_parameter=track,
-                                   on_cut=self._note_deep_graph)
+            plan.timer = PassTimer(
+                roots_of(t_outputs), detailed=plan.logged, on_parameter=track, on_cut=self._note_deep_graph
+            )
         elif discover:
             for node in iter_graph(roots_of(t_outputs), on_cut=self._note_deep_graph):
                 variable = getattr(node, "variable", None)
@@ -328,8 +333,12 @@ class AutogradProbe(Probe):
         """Once per process: a graph deeper than the walks go (see MAX_GRAPH_DEPTH)."""
         if not self._deep_graph_noted:
             self._deep_graph_noted = True
-            self.agent.emit("warning", "autograd.graph_too_deep", max_depth=MAX_GRAPH_DEPTH,
-                            effect="nodes deeper are not timed, logged or searched for parameters")
+            self.agent.emit(
+                "warning",
+                "autograd.graph_too_deep",
+                max_depth=MAX_GRAPH_DEPTH,
+                effect="nodes deeper are not timed, logged or searched for parameters",
+            )
 
     def _torch_logs_nodes(self) -> bool:
         """True when torch's own DEBUG logging hooks run: a second set would only add cost."""
@@ -337,8 +346,11 @@ class AutogradProbe(Probe):
             return False
         if not self._torch_logging_noted:
             self._torch_logging_noted = True
-            self.agent.emit("info", "autograd.logging_deferred",
-                            reason="torch.autograd.graph logger at DEBUG: torch logs every node")
+            self.agent.emit(
+                "info",
+                "autograd.logging_deferred",
+                reason="torch.autograd.graph logger at DEBUG: torch logs every node",
+            )
         return True
 
     def _end(self, plan: _Plan, seconds: float, ok: bool) -> None:
@@ -348,8 +360,7 @@ class AutogradProbe(Probe):
             if plan.timer is not None and plan.timer.error is not None:
                 raise plan.timer.error
             if timing is not None and plan.sampled:
-                self.last_sample = SampledPass(plan.index, plan.kind, seconds,
-                                               timing.node_seconds, timing.slowest)
+                self.last_sample = SampledPass(plan.index, plan.kind, seconds, timing.node_seconds, timing.slowest)
                 self.agent.record(self._on_sample, timing)
             if timing is not None and plan.logged:
                 self.agent.record(self._on_logged, plan.index, timing)
@@ -377,9 +388,15 @@ class AutogradProbe(Probe):
 
     def _on_logged(self, pass_index: int, timing: PassTiming) -> None:
         for execution in timing.executions:
-            self.agent.emit_requested("info", "autograd.node", pass_index=pass_index, node=execution.name,
-                            sequence_nr=execution.sequence_nr, seconds=execution.seconds,
-                            grad_outputs=format_grad_outputs(execution.grad_outputs))
+            self.agent.emit_requested(
+                "info",
+                "autograd.node",
+                pass_index=pass_index,
+                node=execution.name,
+                sequence_nr=execution.sequence_nr,
+                seconds=execution.seconds,
+                grad_outputs=format_grad_outputs(execution.grad_outputs),
+            )
 
     def _on_checked(self, results: list[CheckResult]) -> None:
         store = self.agent.store
@@ -399,10 +416,17 @@ class AutogradProbe(Probe):
             # How many non-finite passes went unlogged since the previous line (the counter has them all).
             skipped = {"passes_not_logged": budget.suppressed} if budget.suppressed else {}
             budget.suppressed = 0
-            self.agent.emit("warning", "autograd.nonfinite_gradients",
-                            pass_index=result.pass_index, kind=result.kind,
-                            parameters=len(result.nonfinite), checked=result.checked,
-                            names=",".join(shown), names_truncated=len(params) > len(shown), **skipped)
+            self.agent.emit(
+                "warning",
+                "autograd.nonfinite_gradients",
+                pass_index=result.pass_index,
+                kind=result.kind,
+                parameters=len(result.nonfinite),
+                checked=result.checked,
+                names=",".join(shown),
+                names_truncated=len(params) > len(shown),
+                **skipped,
+            )
 
 
 def _ignore(_param: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import gc
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -46,8 +47,11 @@ def parameter_names(root: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
             if param is not None and id(param) not in names:
                 names[id(param)] = (param, prefix + name)
         sharded_pairs.extend(tf.fsdp2_parameter_pairs(module))
-        children = [(child, prefix if is_wrapper_edge(module, name) else f"{prefix}{name}.")
-                    for name, child in module._modules.items() if child is not None]
+        children = [
+            (child, prefix if is_wrapper_edge(module, name) else f"{prefix}{name}.")
+            for name, child in module._modules.items()
+            if child is not None
+        ]
         # Reversed so the pop order follows registration order (like named_parameters).
         stack.extend(reversed(children))
     # FSDP2 registers either the shard or the unsharded parameter; the other one has the same name
@@ -64,10 +68,8 @@ def root_modules(objects: Iterable[object]) -> list[nn.Module]:
     """Modules that are nobody's child, largest tree first."""
     # type(), not isinstance(): isinstance reads `__class__`, which deprecated
     # proxies in torch.distributed answer with a FutureWarning.
-    modules: list[nn.Module] = [obj for obj in objects  # type: ignore[misc]
-                                if issubclass(type(obj), nn.Module)]
-    children = {id(child) for module in modules
-                for child in module._modules.values() if child is not None}
+    modules = [cast(nn.Module, obj) for obj in objects if issubclass(type(obj), nn.Module)]
+    children = {id(child) for module in modules for child in module._modules.values() if child is not None}
     roots = [module for module in modules if id(module) not in children]
     roots.sort(key=lambda m: sum(1 for _ in m.modules()), reverse=True)
     return roots
@@ -97,8 +99,10 @@ class NameResolver:
         for param, name in zip(params, found, strict=True):
             if name is None:
                 self._missed[id(param)] = weakref.ref(param)
-        return [name if name is not None else f"<unnamed {tuple(param.shape)}>"
-                for param, name in zip(params, found, strict=True)]
+        return [
+            name if name is not None else f"<unnamed {tuple(param.shape)}>"
+            for param, name in zip(params, found, strict=True)
+        ]
 
     def _rescan_due(self, missing: list[torch.Tensor]) -> bool:
         if time.monotonic() - self._last_scan >= self._min_interval:

@@ -86,8 +86,9 @@ def roots_of(outputs: Iterable[Any]) -> list[Node]:
     return roots
 
 
-def iter_graph(roots: Iterable[Node], max_depth: int = MAX_GRAPH_DEPTH,
-               on_cut: Callable[[], None] | None = None) -> Iterator[Node]:
+def iter_graph(
+    roots: Iterable[Node], max_depth: int = MAX_GRAPH_DEPTH, on_cut: Callable[[], None] | None = None
+) -> Iterator[Node]:
     """Every node reachable from `roots` in at most `max_depth` levels, breadth first, each once.
 
     The children of the last level are not even looked at (see MAX_GRAPH_DEPTH); `on_cut` is
@@ -136,9 +137,14 @@ class PassTimer:
     raise: an internal error is stored in `error`, which the probe reports.
     """
 
-    def __init__(self, roots: Iterable[Node], *, detailed: bool,
-                 on_parameter: Callable[[torch.Tensor], None],
-                 on_cut: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        roots: Iterable[Node],
+        *,
+        detailed: bool,
+        on_parameter: Callable[[torch.Tensor], None],
+        on_cut: Callable[[], None] | None = None,
+    ) -> None:
         self.detailed = detailed
         self._error: BaseException | None = None
         roots = list(roots)
@@ -220,7 +226,12 @@ class PassTimer:
 
     def _make_posthook(self, index: int) -> Callable[[Any, Any], None]:
         starts, seconds, calls, order, clock = (
-            self._starts, self._seconds, self._calls, self._order, time.perf_counter)
+            self._starts,
+            self._seconds,
+            self._calls,
+            self._order,
+            time.perf_counter,
+        )
         own, task_id = self._task, tf.graph_task_id
 
         def posthook(_grad_inputs: Any, _grad_outputs: Any) -> None:
@@ -260,8 +271,7 @@ class PassTimer:
         if self.detailed:
             for index, elapsed in self._order:
                 node = self._nodes[index]
-                executions.append(NodeTime(node_type(node), sequence_nr(node), elapsed,
-                                           self._shapes[index]))
+                executions.append(NodeTime(node_type(node), sequence_nr(node), elapsed, self._shapes[index]))
         timed.sort(key=lambda t: t.seconds, reverse=True)
         self._nodes = []
         return PassTiming(

@@ -217,16 +217,23 @@ def _norms(device: torch.device, dtype: torch.dtype, grads: list[torch.Tensor]) 
     return torch.stack(torch._foreach_norm(grads, 2, dtype=out))
 
 
-def _launch_group(pass_index: int, kind: str, device: torch.device, dtype: torch.dtype,
-                  refs: list[ParamRef], grads: list[torch.Tensor]) -> _Pending:
+def _launch_group(
+    pass_index: int,
+    kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    refs: list[ParamRef],
+    grads: list[torch.Tensor],
+) -> _Pending:
     norms = _norms(device, dtype, grads)
     if device.type != "cuda":
         # CPU ops ran synchronously; other devices read back as on CPU.
         values: list[float] = norms.cpu().tolist()
         if math.inf in values:
             # Maybe finite elements whose squares overflowed: the gradients are still at hand.
-            values = [_wide_norm(grad) if value == math.inf else value
-                      for grad, value in zip(grads, values, strict=True)]
+            values = [
+                _wide_norm(grad) if value == math.inf else value for grad, value in zip(grads, values, strict=True)
+            ]
         return _Pending(pass_index, kind, refs, values, None)
     host = torch.empty(norms.shape, dtype=norms.dtype, pin_memory=True)
     host.copy_(norms, non_blocking=True)
@@ -245,8 +252,7 @@ def _wide_norm(grad: torch.Tensor) -> float:
 def _read(pending: _Pending) -> CheckResult:
     norms = pending.norms
     values: list[float] = norms if isinstance(norms, list) else norms.tolist()
-    nonfinite = tuple(ref for ref, value in zip(pending.refs, values, strict=True)
-                      if not math.isfinite(value))
+    nonfinite = tuple(ref for ref, value in zip(pending.refs, values, strict=True) if not math.isfinite(value))
     # Squares are >= 0, so fsum sees no inf - inf: NaN stays NaN, Inf stays Inf.
     norm = math.sqrt(math.fsum(v * v for v in values))
     return CheckResult(pending.pass_index, pending.kind, len(values), nonfinite, norm)
@@ -264,6 +270,10 @@ def merge(results: list[CheckResult]) -> list[CheckResult]:
             continue
         norm = math.hypot(previous.norm, result.norm)
         merged[result.pass_index] = CheckResult(
-            result.pass_index, result.kind, previous.checked + result.checked,
-            previous.nonfinite + result.nonfinite, norm)
+            result.pass_index,
+            result.kind,
+            previous.checked + result.checked,
+            previous.nonfinite + result.nonfinite,
+            norm,
+        )
     return list(merged.values())

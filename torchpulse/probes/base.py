@@ -160,8 +160,13 @@ class Probe:
         log.warning("probe failed and disabled itself; training continues", probe=self.name, error=summary)
         # The daemon's log too, with where it failed: the operator sees the alert and the journal, not the
         # job's stderr. The traceback's end (the frames that raised) is kept within an event field's limit.
-        self.agent.emit("error", "probe failed and disabled itself; training continues", probe=self.name,
-                        error=summary, traceback="".join(traceback.format_exception(exc))[-MAX_TRACEBACK_CHARS:])
+        self.agent.emit(
+            "error",
+            "probe failed and disabled itself; training continues",
+            probe=self.name,
+            error=summary,
+            traceback="".join(traceback.format_exception(exc))[-MAX_TRACEBACK_CHARS:],
+        )
         self.agent.record_quiet(self._count_error)
         try:
             self.uninstall()

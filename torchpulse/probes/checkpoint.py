@@ -123,7 +123,7 @@ def absolute_path(text: str) -> str:
     if os.pardir in parts:
         last = len(parts) - 1 - parts[::-1].index(os.pardir)
         with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a symlink loop; the save failed then
-            path = Path(*parts[:last + 1]).resolve().joinpath(*parts[last + 1:])
+            path = Path(*parts[: last + 1]).resolve().joinpath(*parts[last + 1 :])
     return os.path.normpath(path)
 
 
@@ -197,8 +197,7 @@ def describe_failure(exc: BaseException) -> SaveFailure:
     message = "".join(traceback.format_exception_only(type(shown), shown)).strip()
     if inner is not None and isinstance(failures, dict):
         message = f"{len(failures)} rank(s) failed, the first with {message}"
-    return SaveFailure(type(exc).__name__, None if inner is None else type(inner).__name__,
-                       message[:MAX_MESSAGE_CHARS])
+    return SaveFailure(type(exc).__name__, None if inner is None else type(inner).__name__, message[:MAX_MESSAGE_CHARS])
 
 
 def failure_types() -> tuple[type[BaseException], ...]:
@@ -279,8 +278,7 @@ class CheckpointProbe(Probe):
                 seconds = time.perf_counter() - started
                 self.agent.record(self._saved, api, path, validate, seconds, directory_identity(path, validate))
             elif isinstance(error, self._failures):
-                self.agent.record(self._save_failed, api, path, describe_failure(error),
-                                  time.perf_counter() - started)
+                self.agent.record(self._save_failed, api, path, describe_failure(error), time.perf_counter() - started)
 
         add_done_callback(self.guard(uploaded, traceable=False))
 
@@ -289,22 +287,38 @@ class CheckpointProbe(Probe):
         seconds = time.perf_counter() - started
         self.agent.record(self._save_failed, api, checkpoint_path(kwargs), describe_failure(exc), seconds)
 
-    def _saved(self, api: str, path: str | None, validate: bool, seconds: float,
-               identity: tuple[int, int] | None) -> None:
+    def _saved(
+        self, api: str, path: str | None, validate: bool, seconds: float, identity: tuple[int, int] | None
+    ) -> None:
         """Sender thread: fold into the histogram and queue the announcement."""
         self.agent.store.observe("checkpoint_save_duration_seconds", (api,), seconds)
         if path is not None:
             known = {} if identity is None else {"device": identity[0], "inode": identity[1]}
-            self.agent.emit("info", CHECKPOINT_SAVED_EVENT, path=path, api=api, duration_seconds=round(seconds, 6),
-                            validate=validate, **known)
+            self.agent.emit(
+                "info",
+                CHECKPOINT_SAVED_EVENT,
+                path=path,
+                api=api,
+                duration_seconds=round(seconds, 6),
+                validate=validate,
+                **known,
+            )
 
     def _save_failed(self, api: str, path: str | None, failure: SaveFailure, seconds: float) -> None:
         """Sender thread: count the failure under a bounded `error` label and log it in full."""
         # DCP wraps every failure in a CheckpointException: the cause says what went wrong.
         error = self._errors((failure.cause or failure.error)[:MAX_ERROR_CHARS] or "unknown")
         self.agent.store.inc("checkpoint_save_failures_total", (api, error))
-        self.agent.emit("warning", SAVE_FAILED_EVENT, path=path, api=api, error=failure.error, cause=failure.cause,
-                        message=failure.message, duration_seconds=round(seconds, 6))
+        self.agent.emit(
+            "warning",
+            SAVE_FAILED_EVENT,
+            path=path,
+            api=api,
+            error=failure.error,
+            cause=failure.cause,
+            message=failure.message,
+            duration_seconds=round(seconds, 6),
+        )
 
     def _cancelled(self, api: str, path: str | None) -> None:
         """Sender thread: a cancelled upload wrote no checkpoint; the job asked for that, so only log it."""

@@ -22,12 +22,25 @@ MASK: Final = "***"
 SHOWN_COMMAND_CHARS: Final = 256
 # An option or key is sensitive when one of its words (split at - _ . and case changes) is one
 # of these, or two adjacent words make one of the pairs: `--hf-token`, `api_key`, `wandb.apiKey`.
-_SENSITIVE_WORDS: Final = frozenset({
-    "password", "passwd", "pwd", "passphrase", "secret", "secrets", "token", "credential", "credentials",
-    "apikey", "auth", "cookie",
-})
-_SENSITIVE_PAIRS: Final = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"),
-                                     ("client", "secret"), ("session", "key")})
+_SENSITIVE_WORDS: Final = frozenset(
+    {
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "secret",
+        "secrets",
+        "token",
+        "credential",
+        "credentials",
+        "apikey",
+        "auth",
+        "cookie",
+    }
+)
+_SENSITIVE_PAIRS: Final = frozenset(
+    {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("client", "secret"), ("session", "key")}
+)
 _WORD: Final = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 # user:password@ inside a URL (a database or a private package index); the user name stays.
 _URL_PASSWORD: Final = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+(?P<at>@)")

@@ -63,8 +63,14 @@ class Compilation(NamedTuple):
         # `is_forward` and `recompile_reason` are missing before ~2.6 (feature
         # "compilation_metrics_recompile_reason"): a record then reads as a forward frame without a reason.
         return cls(
-            str(m.compile_id or "?"), m.co_name, m.co_filename, m.co_firstlineno, getattr(m, "is_forward", None),
-            getattr(m, "recompile_reason", None), m.fail_type, m.fail_reason,
+            str(m.compile_id or "?"),
+            m.co_name,
+            m.co_filename,
+            m.co_firstlineno,
+            getattr(m, "is_forward", None),
+            getattr(m, "recompile_reason", None),
+            m.fail_type,
+            m.fail_reason,
             getattr(m, "dynamo_cumulative_compile_time_us", None),
             getattr(m, "aot_autograd_cumulative_compile_time_us", None),
             getattr(m, "inductor_cumulative_compile_time_us", None),
@@ -155,8 +161,9 @@ class CompileProbe(Probe):
 
     def _install_with_dynamo(self) -> None:
         self._reasons_known = tf.has("compilation_metrics_recompile_reason")
-        for feature in tf.missing("compilation_metrics_log", "compilation_metrics_recompile_reason",
-                                  "compile_callbacks"):
+        for feature in tf.missing(
+            "compilation_metrics_log", "compilation_metrics_recompile_reason", "compile_callbacks"
+        ):
             log.warning("compile probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         if tf.has("compilation_metrics_log"):
             if not tf.metrics_logging_enabled():
@@ -169,8 +176,9 @@ class CompileProbe(Probe):
             self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
             # A limit hit names its function only through an earlier compile of the frame, which
             # may predate the probe (attached late, or to a running job).
-            history = [Compilation.of(m) for m in tf.compilation_metrics_history()
-                       if not getattr(m, "is_runtime", False)]
+            history = [
+                Compilation.of(m) for m in tf.compilation_metrics_history() if not getattr(m, "is_runtime", False)
+            ]
             self.agent.record_quiet(self._remember_frames, history)
         self._graph_breaks = self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
         if tf.has("compile_callbacks"):
@@ -207,8 +215,12 @@ class CompileProbe(Probe):
         self.agent.record(self._on_compilation, Compilation.of(metrics))
 
     def _on_graph_break_record(self, record: logging.LogRecord) -> None:
-        if (isinstance(record.msg, str) and record.msg.startswith(tf.GRAPH_BREAK_FULL_PREFIX)
-                and self._graph_breaks is not None and self._graph_breaks.hides(record)):
+        if (
+            isinstance(record.msg, str)
+            and record.msg.startswith(tf.GRAPH_BREAK_FULL_PREFIX)
+            and self._graph_breaks is not None
+            and self._graph_breaks.hides(record)
+        ):
             # Dynamo deduplicated this break only because the tap enabled its logger.
             tf.forget_graph_break_dedup()
         self.agent.record(self._on_graph_break, record.getMessage())
@@ -236,11 +248,21 @@ class CompileProbe(Probe):
             return  # a lazy backward graph is not a frame
         function = self._function_of(c)
         store.inc("compile_frames_total", ("ok" if c.fail_type is None else "failed",))
-        if is_recompile_limit(c.fail_type, c.fail_reason, tf.RECOMPILE_LIMIT_MARKERS, tf.RECOMPILE_LIMIT_FAIL_TYPES,
-                              tf.RECOMPILE_LIMIT_ERRORS):
+        if is_recompile_limit(
+            c.fail_type,
+            c.fail_reason,
+            tf.RECOMPILE_LIMIT_MARKERS,
+            tf.RECOMPILE_LIMIT_FAIL_TYPES,
+            tf.RECOMPILE_LIMIT_ERRORS,
+        ):
             store.inc("recompile_limit_hits_total", (self._functions(function),))
-            self.agent.emit("warning", "recompile limit hit; the function now runs uncompiled",
-                            function=function, compile_id=c.compile_id, last_reason=c.recompile_reason)
+            self.agent.emit(
+                "warning",
+                "recompile limit hit; the function now runs uncompiled",
+                function=function,
+                compile_id=c.compile_id,
+                last_reason=c.recompile_reason,
+            )
             return
         detail = c.recompile_reason
         if detail is None and not self._reasons_known and is_recompile_id(c.compile_id):
@@ -249,11 +271,18 @@ class CompileProbe(Probe):
         if detail is not None:
             reason = classify_recompile(detail) if c.recompile_reason is not None else "other"
             store.inc("recompiles_total", (self._functions(function), reason))
-            self.agent.emit("info", "recompile", function=function, reason=reason,
-                            compile_id=c.compile_id, detail=detail)
+            self.agent.emit(
+                "info", "recompile", function=function, reason=reason, compile_id=c.compile_id, detail=detail
+            )
         if c.fail_type is not None:
-            self.agent.emit("warning", "compile failed", function=function, compile_id=c.compile_id,
-                            fail_type=c.fail_type, detail=c.fail_reason)
+            self.agent.emit(
+                "warning",
+                "compile failed",
+                function=function,
+                compile_id=c.compile_id,
+                fail_type=c.fail_type,
+                detail=c.fail_reason,
+            )
 
     def _on_graph_break(self, message: str) -> None:
         parsed = parse_graph_break(message)
@@ -262,5 +291,6 @@ class CompileProbe(Probe):
         location = f"{short_path(parsed.filename)}:{parsed.line}"
         kind = self._kinds(parsed.kind)
         self.agent.store.inc("graph_breaks_total", (kind, self._locations(location)))
-        self.agent.emit("info", "graph break", kind=parsed.kind, location=f"{parsed.filename}:{parsed.line}",
-                        detail=parsed.reason)
+        self.agent.emit(
+            "info", "graph break", kind=parsed.kind, location=f"{parsed.filename}:{parsed.line}", detail=parsed.reason
+        )

@@ -151,8 +151,12 @@ class LogTap:
     def refresh(self) -> None:
         """Re-assert the level if another party changed it (cheap when nothing changed)."""
         tap = self._tap
-        if (tap is not None and tap._applied is not None and tap.logger.level == tap._applied
-                and not tap.logger.disabled):
+        if (
+            tap is not None
+            and tap._applied is not None
+            and tap.logger.level == tap._applied
+            and not tap.logger.disabled
+        ):
             return
         if tap is not None:
             with _lock:

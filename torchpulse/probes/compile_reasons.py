@@ -12,15 +12,31 @@ from pathlib import PurePath
 from typing import Final, NamedTuple
 
 RECOMPILE_REASONS: Final = (
-    "tensor_size", "dtype", "stride", "device", "requires_grad",
-    "python_value", "global_or_module_attribute", "grad_mode", "other",
+    "tensor_size",
+    "dtype",
+    "stride",
+    "device",
+    "requires_grad",
+    "python_value",
+    "global_or_module_attribute",
+    "grad_mode",
+    "other",
 )
 CUDAGRAPH_SKIP_REASONS: Final = (
-    "cpu_device", "mutated_inputs", "multiple_devices", "dynamic_shapes",
-    "incompatible_op", "non_tensor_inputs", "other",
+    "cpu_device",
+    "mutated_inputs",
+    "multiple_devices",
+    "dynamic_shapes",
+    "incompatible_op",
+    "non_tensor_inputs",
+    "other",
 )
 RERECORD_REASONS: Final = (
-    "static_input_changed", "managed_index_mismatch", "dead_tensors", "new_dynamic_shape", "other",
+    "static_input_changed",
+    "managed_index_mismatch",
+    "dead_tensors",
+    "new_dynamic_shape",
+    "other",
 )
 
 # "0/1: tensor 'x' size mismatch at index 0. expected 2, actual 3"
@@ -48,8 +64,13 @@ _SYMBOLIC_CHECKS: Final = (
 # grad mode has a class of its own (autocast, deterministic algorithms, default dtype are `other`).
 _GLOBAL_STATE: Final = "GLOBAL_STATE changed:"
 # Reasons that are sentences about the cache, not a failed guard expression.
-_NOT_GUARDS: Final = ("BACKEND_MATCH failure", "Unexpected recompilation", "Duplicate tensors found",
-                      "Unable to find recompilation reasons", "Cache line invalidated")
+_NOT_GUARDS: Final = (
+    "BACKEND_MATCH failure",
+    "Unexpected recompilation",
+    "Duplicate tensors found",
+    "Unable to find recompilation reasons",
+    "Cache line invalidated",
+)
 _VALUE: Final = re.compile(
     r"==|!=|<=|>=|<|>|\bis\b|___check_obj_id|___check_type_id|___dict_contains|isinstance\(|hasattr\(|len\("
 )
@@ -86,7 +107,7 @@ def classify_recompile(reason: str) -> str:
     if text.startswith("tensor "):
         return _tensor_check(text)
     if text.startswith(_GLOBAL_STATE):
-        return "grad_mode" if "grad_mode" in text[len(_GLOBAL_STATE):].split() else "other"
+        return "grad_mode" if "grad_mode" in text[len(_GLOBAL_STATE) :].split() else "other"
     if text.startswith(_NOT_GUARDS):
         return "other"
     if text.startswith(_GETATTR_FAILED):
@@ -127,8 +148,13 @@ def _is_attribute_guard(expression: str) -> bool:
     return any(_ATTRIBUTE.search(operand) for operand in operands if operand and not _CONSTANT.match(operand))
 
 
-def is_recompile_limit(fail_type: str | None, fail_reason: str | None, markers: tuple[str, ...],
-                       fail_types: tuple[str, ...], errors: tuple[str, ...]) -> bool:
+def is_recompile_limit(
+    fail_type: str | None,
+    fail_reason: str | None,
+    markers: tuple[str, ...],
+    fail_types: tuple[str, ...],
+    errors: tuple[str, ...],
+) -> bool:
     """Whether a failed frame hit the recompile limit: one of the limit's own `errors`, or a marker in its message."""
     if fail_type in errors:
         return True
@@ -200,8 +226,16 @@ def classify_cudagraph_skip(message: str) -> str:
     if "non-tensor" in text or "non tensor" in text or "non_tensor" in text:
         return "non_tensor_inputs"
     # Lowering reasons torch 2.13 gives: an op, index_put_ with boolean indices, torch.cond/while_loop.
-    if any(words in text for words in ("incompatible op", "unsupported op", "cudagraph-unsafe",
-                                       "not compatible with cuda graphs", "control flow operator")):
+    if any(
+        words in text
+        for words in (
+            "incompatible op",
+            "unsupported op",
+            "cudagraph-unsafe",
+            "not compatible with cuda graphs",
+            "control flow operator",
+        )
+    ):
         return "incompatible_op"
     return "other"
 

@@ -77,7 +77,7 @@ class AgentConfig:
         if env.get("TORCHPULSE_FLUSH_INTERVAL"):
             values["flush_interval"] = _seconds(env["TORCHPULSE_FLUSH_INTERVAL"], "TORCHPULSE_FLUSH_INTERVAL")
         values["options"] = {
-            k[len("TORCHPULSE_OPT_"):].lower(): v for k, v in env.items() if k.startswith("TORCHPULSE_OPT_")
+            k[len("TORCHPULSE_OPT_") :].lower(): v for k, v in env.items() if k.startswith("TORCHPULSE_OPT_")
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(values["socket_path"], str):
@@ -85,10 +85,10 @@ class AgentConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-
 def probe_names(text: str) -> tuple[str, ...]:
     """The probes a comma-separated list names (TORCHPULSE_PROBES, `torchpulse run --probes`), blanks dropped."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
 
 def _seconds(raw: str, variable: str) -> float:
     try:

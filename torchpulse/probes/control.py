@@ -101,8 +101,13 @@ class Control:
             trace.close()
             if trace.profiler is not None:
                 trace_capture.stop_quietly(trace.profiler)
-            self._answer(trace.command, False, f"the agent detached before the trace of steps {trace.start_step}.."
-                         f"{trace.last_step} was complete; nothing was written", {})
+            self._answer(
+                trace.command,
+                False,
+                f"the agent detached before the trace of steps {trace.start_step}.."
+                f"{trace.last_step} was complete; nothing was written",
+                {},
+            )
         for command, out_dir in pending:
             trace_capture.close_dir(out_dir)
             self._answer(command, False, "the agent detached before its next step boundary", {})
@@ -177,8 +182,9 @@ class Control:
                         self.armed = True
                 if busy:
                     trace_capture.close_dir(out_dir)
-                    raise CommandFailed(f"busy: {MAX_PENDING_COMMANDS} commands already wait for this "
-                                        "rank's next step boundary")
+                    raise CommandFailed(
+                        f"busy: {MAX_PENDING_COMMANDS} commands already wait for this rank's next step boundary"
+                    )
             else:
                 raise CommandFailed(f"unknown command {command.name[:64]!r}")
         except CommandFailed as exc:
@@ -212,7 +218,8 @@ class Control:
                 # number tells two nodes of one type apart (AccumulateGrad has none: -1, left out).
                 data["autograd_slowest"] = ", ".join(
                     f"{name}{'' if seq < 0 else f'#{seq}'} {seconds * 1e3:.2f}ms"
-                    for name, seq, seconds in last.get("slowest", [])[:5])
+                    for name, seq, seconds in last.get("slowest", [])[:5]
+                )
         return data
 
     def _step_rate(self) -> float:
@@ -336,8 +343,9 @@ class Control:
         if current is not None:
             # Still waiting for its first step (one far ahead, or a client that gave up): the newer request wins.
             current.close()
-            self._answer(current.command, False, f"superseded by a newer trace request before step "
-                         f"{current.start_step} came", {})
+            self._answer(
+                current.command, False, f"superseded by a newer trace request before step {current.start_step} came", {}
+            )
         self._trace = Trace(command, start, steps, out, out_dir)
         return {}
 
@@ -353,8 +361,9 @@ class Control:
         if not isinstance(start, int):
             start = self.agent.step + 1
         if start <= self.agent.step:
-            raise CommandFailed(f"missed the start step {start}: this rank already finished step "
-                                f"{self.agent.step}; {_RETRY_LATER}")
+            raise CommandFailed(
+                f"missed the start step {start}: this rank already finished step {self.agent.step}; {_RETRY_LATER}"
+            )
         return start, steps, Path(out)
 
     def _writing(self) -> bool:
@@ -380,8 +389,9 @@ class Control:
                     self._trace = None
                 trace.profiler.stop()
                 # Exporting takes seconds for a real model: not on the training thread.
-                self._writer = threading.Thread(target=self._write_trace, args=(trace,), daemon=True,
-                                                name="torchpulse-trace-writer")
+                self._writer = threading.Thread(
+                    target=self._write_trace, args=(trace,), daemon=True, name="torchpulse-trace-writer"
+                )
                 self._writer.start()
         except CommandFailed as exc:
             self._trace = None

@@ -36,8 +36,12 @@ def check_arguments(command: Command) -> int | None:
             raise CommandFailed(f"unknown probe {probe[:64]!r} (known: {', '.join(sorted(PROBES))})")
     if name == "sample":
         rate = args.get("rate")
-        if (not isinstance(rate, int | float) or isinstance(rate, bool) or not math.isfinite(rate)
-                or not (rate == 0 or MIN_SAMPLE_RATE <= rate <= 1)):
+        if (
+            not isinstance(rate, int | float)
+            or isinstance(rate, bool)
+            or not math.isfinite(rate)
+            or not (rate == 0 or MIN_SAMPLE_RATE <= rate <= 1)
+        ):
             raise CommandFailed(f"rate must be 0 (off) or a number from {MIN_SAMPLE_RATE:g} to 1, got {_shown(rate)}")
     elif name == "autograd-log":
         _count(args.get("passes"), "passes", MAX_LOG_PASSES)

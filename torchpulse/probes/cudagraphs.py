@@ -56,8 +56,9 @@ class Readiness(NamedTuple):
     cpu_step_tensors: int
 
 
-def measure_readiness(optimizer: Optimizer, last_ptrs: dict[int, int],
-                      is_static: Callable[[torch.Tensor], bool]) -> Readiness:
+def measure_readiness(
+    optimizer: Optimizer, last_ptrs: dict[int, int], is_static: Callable[[torch.Tensor], bool]
+) -> Readiness:
     """Count the CUDA-graph hazards of one optimizer; `last_ptrs` maps param id -> grad address,
     `is_static` is `torch_features.static_checker()`."""
     nonstatic = moving = cpu_steps = 0
@@ -93,8 +94,10 @@ def readiness_hint(r: Readiness) -> str | None:
     if r.moving_grads:
         fixes.append("call zero_grad(set_to_none=False) so grads keep their addresses")
     if r.nonstatic_grads:
-        fixes.append(f"mark the {r.nonstatic_grads} grads static with torch._dynamo.mark_static_address "
-                     "(else each is copied on every graph replay)")
+        fixes.append(
+            f"mark the {r.nonstatic_grads} grads static with torch._dynamo.mark_static_address "
+            "(else each is copied on every graph replay)"
+        )
     return "; ".join(fixes) if fixes else None
 
 
@@ -113,8 +116,7 @@ class _Callbacks:
 
     def remove(self) -> None:
         handler = tf.callback_handler()
-        for remove, callback in ((handler.remove_start_callback, self.start),
-                                 (handler.remove_end_callback, self.end)):
+        for remove, callback in ((handler.remove_start_callback, self.start), (handler.remove_end_callback, self.end)):
             with contextlib.suppress(ValueError):
                 remove(callback)
 
@@ -134,8 +136,9 @@ class CudaGraphProbe(Probe):
 
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
-        self.every = int_option(agent.config.options, "cudagraph_readiness_every", agent.config.optimizer_state_every,
-                                minimum=1)
+        self.every = int_option(
+            agent.config.options, "cudagraph_readiness_every", agent.config.optimizer_state_every, minimum=1
+        )
         self._callbacks: _Callbacks | None = None
         self._taps: list[LogTap] = []
         self._labels = OptimizerLabels(self.at_death)  # when the optimizer probe is off
@@ -200,8 +203,12 @@ class CudaGraphProbe(Probe):
         skip or re-record is an increase() from 0 instead of a series born at its first value."""
         self.start_at_zero("cudagraph_skips_total", tuple((reason,) for reason in CUDAGRAPH_SKIP_REASONS))
         self.start_at_zero("cudagraph_rerecords_total", tuple((reason,) for reason in RERECORD_REASONS))
-        for family in ("cudagraph_recordings_total", "cudagraph_warmups_total", "cudagraph_rerecord_limit_hits_total",
-                       "cudagraph_dynamic_shape_warnings_total"):
+        for family in (
+            "cudagraph_recordings_total",
+            "cudagraph_warmups_total",
+            "cudagraph_rerecord_limit_hits_total",
+            "cudagraph_dynamic_shape_warnings_total",
+        ):
             self.start_at_zero(family)
         if tf.has("dynamo_counters"):  # its only source
             self.start_at_zero("cudagraph_nonstatic_input_copies_total")
@@ -384,8 +391,15 @@ class CudaGraphProbe(Probe):
         else:
             return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
         skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
-        return {"available": True, "cuda": tf.cuda_present(), "managers": len(managers), "trees": trees,
-                "nodes": nodes, "pool_bytes": tf.pool_bytes(managers), "skips_total": skips}
+        return {
+            "available": True,
+            "cuda": tf.cuda_present(),
+            "managers": len(managers),
+            "trees": trees,
+            "nodes": nodes,
+            "pool_bytes": tf.pool_bytes(managers),
+            "skips_total": skips,
+        }
 
     def _track(self, optimizer: Optimizer) -> _Tracked:
         # One name per optimizer across both probes, also while the optimizer probe is disabled.
@@ -435,9 +449,15 @@ class CudaGraphProbe(Probe):
         for group, flag in r.capturable:
             store.set("optimizer_capturable", (label, str(group)), 1.0 if flag else 0.0)
         if hint is not None:
-            self.agent.emit("warning", "optimizer is not ready for CUDA graphs", optimizer=label, hint=hint,
-                            nonstatic_grads=r.nonstatic_grads, moving_grads=r.moving_grads,
-                            cpu_step_tensors=r.cpu_step_tensors)
+            self.agent.emit(
+                "warning",
+                "optimizer is not ready for CUDA graphs",
+                optimizer=label,
+                hint=hint,
+                nonstatic_grads=r.nonstatic_grads,
+                moving_grads=r.moving_grads,
+                cpu_step_tensors=r.cpu_step_tensors,
+            )
 
 
 @functools.cache

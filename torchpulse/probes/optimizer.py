@@ -99,8 +99,18 @@ def _timed(closure: Callable[..., Any], tracked: _Tracked) -> Callable[..., Any]
 
 
 class _Tracked:
-    __slots__ = ("__weakref__", "groups", "in_closure", "inner", "label", "nested", "rescan", "started", "state_len",
-                 "steps")
+    __slots__ = (
+        "__weakref__",
+        "groups",
+        "in_closure",
+        "inner",
+        "label",
+        "nested",
+        "rescan",
+        "started",
+        "state_len",
+        "steps",
+    )
 
     def __init__(self, label: str) -> None:
         self.label = label
@@ -319,8 +329,12 @@ class OptimizerProbe(Probe):
         state_len, groups = len(optimizer.state), len(optimizer.param_groups)
         if tracked.inner:
             state_len += sum(len(inner.state) for inner in tracked.inner)
-        if (tracked.rescan or state_len != tracked.state_len or groups != tracked.groups
-                or tracked.steps % self.state_every == 0):
+        if (
+            tracked.rescan
+            or state_len != tracked.state_len
+            or groups != tracked.groups
+            or tracked.steps % self.state_every == 0
+        ):
             tracked.rescan = False
             tracked.state_len, tracked.groups = state_len, groups
             sizes = measure_wrapping(optimizer, tracked.inner)

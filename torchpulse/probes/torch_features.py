@@ -124,9 +124,7 @@ def _metrics_logged() -> bool:
     import torch._dynamo.utils
 
     # Both the class and the log call must exist; the flag is checked per use.
-    return hasattr(torch._dynamo.utils, "CompilationMetrics") and hasattr(
-        torch._dynamo.utils, "log_compilation_event"
-    )
+    return hasattr(torch._dynamo.utils, "CompilationMetrics") and hasattr(torch._dynamo.utils, "log_compilation_event")
 
 
 def _metrics_recompile_reasons() -> bool:
@@ -150,9 +148,10 @@ def _callback_args() -> bool:
     # Before ~2.8 callbacks took no arguments; from then on CallbackArgs.
     from torch._dynamo.callback import CallbackArgs, CallbackTrigger
 
-    return hasattr(CallbackTrigger, TRIGGER_CUDAGRAPH_RECORDING) and "compile_id" in inspect.signature(
-        CallbackArgs
-    ).parameters
+    return (
+        hasattr(CallbackTrigger, TRIGGER_CUDAGRAPH_RECORDING)
+        and "compile_id" in inspect.signature(CallbackArgs).parameters
+    )
 
 
 def _counters() -> bool:
@@ -406,8 +405,7 @@ def _find_tree_frames() -> TreeFrames | None:
         nested = module.cudagraphify_impl.__code__.co_consts
     except AttributeError:
         return None
-    deferred = next((c for c in nested if isinstance(c, types.CodeType) and c.co_name == "deferred_cudagraphify"),
-                    None)
+    deferred = next((c for c in nested if isinstance(c, types.CodeType) and c.co_name == "deferred_cudagraphify"), None)
     if deferred is None or TREES_RERECORD_REASON not in run.co_varnames + run.co_cellvars:
         return None
     if TREES_SHAPE_CACHE not in deferred.co_freevars:

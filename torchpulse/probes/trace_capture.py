@@ -87,8 +87,10 @@ def open_out_dir(out: object, caller_uid: object = None) -> int:
     except FileNotFoundError:
         if foreign is None:
             raise ValueError(f"{out} was removed as it was created") from None
-        raise ValueError(f"{out} does not exist, and is not created for another user than the job's "
-                         f"(uid {os.geteuid()}): {_FOREIGN_RULE}") from None
+        raise ValueError(
+            f"{out} does not exist, and is not created for another user than the job's "
+            f"(uid {os.geteuid()}): {_FOREIGN_RULE}"
+        ) from None
     except NotADirectoryError:
         raise ValueError(f"{out} is not a directory") from None
     except OSError as exc:
@@ -121,8 +123,10 @@ def _check_foreign_dir(fd: int, out: str, caller: int) -> None:
     info = os.fstat(fd)
     shared = bool(info.st_mode & stat.S_ISVTX and info.st_mode & stat.S_IWOTH)
     if info.st_uid != caller and not shared:
-        raise ValueError(f"{out} belongs to uid {info.st_uid}, not to the sender (uid {caller}) of this trace of "
-                         f"another user's job (uid {os.geteuid()}): {_FOREIGN_RULE}")
+        raise ValueError(
+            f"{out} belongs to uid {info.st_uid}, not to the sender (uid {caller}) of this trace of "
+            f"another user's job (uid {os.geteuid()}): {_FOREIGN_RULE}"
+        )
 
 
 def start_profiler() -> Any:
@@ -157,8 +161,10 @@ def release(profiler: Any) -> None:
 def write(trace: Trace, run: str, rank: int) -> Path:
     """Export the stopped profiler's trace into `trace.out` (its opened directory); OSError when no file came of it."""
     safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)[:MAX_RUN_CHARS_IN_NAME]
-    name = (f"{safe_run}-rank{rank}-steps{trace.start_step}-{trace.last_step}-{int(time.time())}-"
-            f"{secrets.token_hex(4)}.json")
+    name = (
+        f"{safe_run}-rank{rank}-steps{trace.start_step}-{trace.last_step}-{int(time.time())}-"
+        f"{secrets.token_hex(4)}.json"
+    )
     path = trace.out / name
     trace.profiler.export_chrome_trace(f"{_through(trace.dir_fd)}/{name}")
     # Kineto logs a failed write (full disk, a directory gone or read-only) and returns as if it had written.

@@ -209,8 +209,7 @@ class Sender(threading.Thread):
         with self._flushed:
             generation = self._flush_generation
         self.agent.drain()
-        if (self._sock is None and self.agent.active and not self._gave_up
-                and time.monotonic() >= self._next_attempt):
+        if self._sock is None and self.agent.active and not self._gave_up and time.monotonic() >= self._next_attempt:
             self._connect()
         if self._sock is not None and self._identity_changed():
             self._rehello()
@@ -229,8 +228,12 @@ class Sender(threading.Thread):
         if too_long is not None:
             # connect() would refuse it on every retry, as a bare OSError: one clear line, no retries.
             self._gave_up = True
-            log.warning("the daemon's socket path is too long to connect to; training continues without metrics",
-                        socket=path, reason=too_long, fix="set TORCHPULSE_SOCKET to a shorter path")
+            log.warning(
+                "the daemon's socket path is too long to connect to; training continues without metrics",
+                socket=path,
+                reason=too_long,
+                fix="set TORCHPULSE_SOCKET to a shorter path",
+            )
             return
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -309,8 +312,11 @@ class Sender(threading.Thread):
     def _schedule_retry(self, path: str, exc: BaseException | None) -> None:
         if not self._warned_unreachable and exc is not None and self._may_note_unreachable():
             # The one line a job without a daemon shows on stderr.
-            later = {"later": f"further outages are reported at most once every {UNREACHABLE_NOTE_INTERVAL:g}s"
-                     } if self._unreachable_notes == FREE_UNREACHABLE_NOTES else {}
+            later = (
+                {"later": f"further outages are reported at most once every {UNREACHABLE_NOTE_INTERVAL:g}s"}
+                if self._unreachable_notes == FREE_UNREACHABLE_NOTES
+                else {}
+            )
             log.warning(
                 "daemon not reachable; training continues and metrics are sent once it is up",
                 socket=path,
@@ -325,8 +331,10 @@ class Sender(threading.Thread):
     def _may_note_unreachable(self) -> bool:
         """Whether this outage gets its line (and its "reconnected" line) on the job's stderr."""
         now = time.monotonic()
-        if (self._unreachable_notes >= FREE_UNREACHABLE_NOTES
-                and now - self._last_unreachable_note < UNREACHABLE_NOTE_INTERVAL):
+        if (
+            self._unreachable_notes >= FREE_UNREACHABLE_NOTES
+            and now - self._last_unreachable_note < UNREACHABLE_NOTE_INTERVAL
+        ):
             return False
         self._unreachable_notes += 1
         self._last_unreachable_note = now
@@ -366,8 +374,12 @@ class Sender(threading.Thread):
         this same process takes its rank over.
         """
         ident = self.agent.identity
-        log.info("rank learned from torch.distributed; reconnecting as it", rank=ident.rank,
-                 world_size=ident.world_size, was=self._hello_identity)
+        log.info(
+            "rank learned from torch.distributed; reconnecting as it",
+            rank=ident.rank,
+            world_size=ident.world_size,
+            was=self._hello_identity,
+        )
         if self._hello_identity is None or ident.rank != self._hello_identity[0]:
             self._send_frame(encode(Goodbye("identity")))
         self._close()
@@ -434,8 +446,9 @@ class Sender(threading.Thread):
             except (FrameError, OverflowError, TypeError, UnicodeEncodeError) as exc:
                 # A bug's answer (a huge int, a stray object) must still answer, and not cost the connection.
                 log.warning("command result could not be encoded", id=result.id, error=repr(exc))
-                frame = encode(CommandResult(result.id, False, f"internal error: answer not encodable: {exc!r}"[:500],
-                                             {}))
+                frame = encode(
+                    CommandResult(result.id, False, f"internal error: answer not encodable: {exc!r}"[:500], {})
+                )
             if not self._send_frame(frame):
                 return
 
@@ -482,12 +495,17 @@ def _utf8_value(value: FieldValue) -> FieldValue:
 
 def _utf8_batch(batch: Batch) -> Batch:
     return Batch(
-        batch.seq, batch.sent_at,
+        batch.seq,
+        batch.sent_at,
         [Sample(utf8(s.family), tuple(utf8(v) for v in s.labels), s.value) for s in batch.samples],
-        [HistogramSample(utf8(h.family), tuple(utf8(v) for v in h.labels), h.bucket_counts, h.total)
-         for h in batch.histograms],
-        [LogEvent(e.ts, utf8(e.level), utf8(e.event), {utf8(k): _utf8_value(v) for k, v in e.fields.items()})
-         for e in batch.events],
+        [
+            HistogramSample(utf8(h.family), tuple(utf8(v) for v in h.labels), h.bucket_counts, h.total)
+            for h in batch.histograms
+        ],
+        [
+            LogEvent(e.ts, utf8(e.level), utf8(e.event), {utf8(k): _utf8_value(v) for k, v in e.fields.items()})
+            for e in batch.events
+        ],
     )
 
 
@@ -511,5 +529,7 @@ def _halves(part: Part) -> tuple[Part, Part]:
     head_histograms = histograms[:rest]
     rest -= len(head_histograms)
     head_events = events[:rest]
-    return ((head_samples, head_histograms, head_events),
-            (samples[len(head_samples):], histograms[len(head_histograms):], events[len(head_events):]))
+    return (
+        (head_samples, head_histograms, head_events),
+        (samples[len(head_samples) :], histograms[len(head_histograms) :], events[len(head_events) :]),
+    )

@@ -56,8 +56,9 @@ def item_problems(problems: Sequence[ItemProblem]) -> list[Finding]:
 
 def unverifiable_bytes(items: Sequence[StoredBytes]) -> list[Finding]:
     """TP-CKPT-025: bytes items that would need code to be run are reported, not executed."""
-    return [info("TP-CKPT-025", b.key, f"not verified: {b.reason}") for b in items
-            if not b.verifiable and not b.sharded]
+    return [
+        info("TP-CKPT-025", b.key, f"not verified: {b.reason}") for b in items if not b.verifiable and not b.sharded
+    ]
 
 
 def sharded_bytes(items: Sequence[StoredBytes]) -> list[Finding]:
@@ -69,8 +70,13 @@ def sharded_bytes(items: Sequence[StoredBytes]) -> list[Finding]:
     keeps that rank's shards; `dcp.load` gives every rank those, with no error.
     """
     return [
-        error("TP-CKPT-027", b.key, f"holds {b.sharded} pickled whole: DCP wrote it from one rank, so the other "
-              "ranks' shards are not in the checkpoint (save sharded tensors as state dict entries: "
-              "flatten_state_dict=True, no tuples or objects around them)")
-        for b in items if b.sharded
+        error(
+            "TP-CKPT-027",
+            b.key,
+            f"holds {b.sharded} pickled whole: DCP wrote it from one rank, so the other "
+            "ranks' shards are not in the checkpoint (save sharded tensors as state dict entries: "
+            "flatten_state_dict=True, no tuples or objects around them)",
+        )
+        for b in items
+        if b.sharded
     ]

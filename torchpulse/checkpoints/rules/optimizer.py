@@ -344,8 +344,9 @@ def step_consistency(
     out: list[Finding] = []
     for (opt, _), by_value in sorted(steps.items(), key=lambda kv: (kv[0][0], sorted(map(sorted, kv[1].values())))):
         if len(by_value) > 1:
-            summary = "; ".join(f"{_number(v)} for {len(p)} ({', '.join(sorted(p)[:3])})"
-                                for v, p in sorted(by_value.items()))
+            summary = "; ".join(
+                f"{_number(v)} for {len(p)} ({', '.join(sorted(p)[:3])})" for v, p in sorted(by_value.items())
+            )
             out.append(error("TP-CKPT-016", opt, f"step differs across parameters: {summary}"))
     return out
 

@@ -91,9 +91,11 @@ def exact_tiling(tensor: TensorEntry) -> list[Finding]:
         return out
     if kernels.tiling_holds(tensor.chunks, tensor.size):
         return out
-    bad = [] if _all_in_bounds(tensor.chunks, tensor.size) else [
-        c for c in tensor.chunks if _out_of_bounds(c, tensor.size)
-    ]
+    bad = (
+        []
+        if _all_in_bounds(tensor.chunks, tensor.size)
+        else [c for c in tensor.chunks if _out_of_bounds(c, tensor.size)]
+    )
     for c in bad[:_MAX_REPORTED]:
         out.append(
             error(

@@ -16,8 +16,7 @@ class AgentsCollector:
         self.registry = registry
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("torchpulse_agent_up", "1 while the rank's agent is connected.",
-                               labels=["run", "rank"])
+        up = GaugeMetricFamily("torchpulse_agent_up", "1 while the rank's agent is connected.", labels=["run", "rank"])
         exited = GaugeMetricFamily(
             "torchpulse_agent_exited",
             "1 once the rank's agent said goodbye before disconnecting (its process exited normally or "
@@ -30,8 +29,7 @@ class AgentsCollector:
             "spans nodes: each node's daemon has one); always 1.",
             labels=["run", "torch_version", "world_size", "host", "agent_version", "command"],
         )
-        series = GaugeMetricFamily("torchpulse_run_series", "Series the daemon holds for the run.",
-                                   labels=["run"])
+        series = GaugeMetricFamily("torchpulse_run_series", "Series the daemon holds for the run.", labels=["run"])
         rejected = GaugeMetricFamily(
             "torchpulse_run_series_rejected",
             "New series refused because the run hit its series limit, counted since the daemon began holding the "
@@ -44,8 +42,17 @@ class AgentsCollector:
                 exited.add_metric([run.name, str(rank)], 1.0 if state.exited else 0.0)
             hello = run.info
             if hello is not None:
-                info.add_metric([run.name, hello.torch_version, str(hello.world_size), hello.host,
-                                 hello.agent_version, hello.command], 1.0)
+                info.add_metric(
+                    [
+                        run.name,
+                        hello.torch_version,
+                        str(hello.world_size),
+                        hello.host,
+                        hello.agent_version,
+                        hello.command,
+                    ],
+                    1.0,
+                )
             series.add_metric([run.name], float(run.series))
             rejected.add_metric([run.name], float(run.series_rejected))
         yield from (up, exited, info, series, rejected)

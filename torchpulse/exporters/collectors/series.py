@@ -43,8 +43,11 @@ def _prefix(family: Family, run: str, rank: int, values: tuple[str, ...]) -> Pre
         return f"{family.exposed_name}{{{labels}}} "
     bounds = [floatToGoString(b) for b in family.buckets] + ["+Inf"]  # type: ignore[no-untyped-call]
     name = family.exposed_name
-    return (*(f'{name}_bucket{{{labels},le="{b}"}} ' for b in bounds),
-            f"{name}_count{{{labels}}} ", f"{name}_sum{{{labels}}} ")
+    return (
+        *(f'{name}_bucket{{{labels},le="{b}"}} ' for b in bounds),
+        f"{name}_count{{{labels}}} ",
+        f"{name}_sum{{{labels}}} ",
+    )
 
 
 def _header(family: Family) -> str:

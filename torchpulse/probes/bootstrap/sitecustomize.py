@@ -165,7 +165,7 @@ class _AttachAfterTorch:
         """What the import system would find for `name` without this finder (it never asks this one again)."""
         finders = sys.meta_path
         if self in finders:
-            finders = finders[finders.index(self) + 1:]
+            finders = finders[finders.index(self) + 1 :]
         for finder in finders:
             find_spec = getattr(finder, "find_spec", None)
             spec = find_spec(name, path, target) if find_spec is not None else None
