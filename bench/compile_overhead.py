@@ -37,13 +37,13 @@ import torch._dynamo.utils
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import Variant, interleaved, optimizer_hooks, report
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.agent import Agent
 from torchpulse.probes.base import Probe
 from torchpulse.probes.compile import CompileProbe
 from torchpulse.probes.config import AgentConfig
 from torchpulse.probes.cudagraphs import CudaGraphProbe
 from torchpulse.probes.identity import current_identity
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 BUDGET = 1.005
 GRAPH_BREAK_MESSAGE = (
@@ -181,8 +181,8 @@ def per_event_cost(repeats: int) -> None:
         print("no CompilationMetrics recorded; skipping per-event cost")
         return
     sample = metrics[-1]
-    metrics_log = logging.getLogger(tf.METRICS_LOGGER)
-    break_log = logging.getLogger(tf.GRAPH_BREAK_LOGGER)
+    metrics_log = logging.getLogger(dynamo_compat.METRICS_LOGGER)
+    break_log = logging.getLogger(dynamo_compat.GRAPH_BREAK_LOGGER)
 
     def emit_events() -> float:
         start = time.perf_counter()

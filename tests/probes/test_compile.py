@@ -14,8 +14,8 @@ import torch._dynamo.utils
 from torch._dynamo.utils import counters
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.compile_reasons import function_label, is_recompile_limit
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 HERE = __file__
 
@@ -68,7 +68,7 @@ def scenario() -> Iterator[Scenario]:
     agent: Any = local_agent(("optimizer", "compile", "cudagraphs"))
     torch._dynamo.utils.clear_compilation_metrics()
     before = {group: dict(counters.get(group, {})) for group in ("frames", "graph_break")}
-    skips_before = tf.dynamo_counter("inductor", "cudagraph_skips")
+    skips_before = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
     cheap = "eager"  # dynamo with the eager backend: real guards and recompiles, no codegen
     compiled = torch.compile(shape_fn, backend=cheap)
     for n in (2, 3, 4):  # 2 -> 3 recompiles once, then the graph is dynamic
@@ -100,7 +100,7 @@ def scenario() -> Iterator[Scenario]:
         metrics,
         _delta(before["frames"], "frames"),
         _delta(before["graph_break"], "graph_break"),
-        tf.dynamo_counter("inductor", "cudagraph_skips") - skips_before,
+        dynamo_compat.dynamo_counter("inductor", "cudagraph_skips") - skips_before,
         {"break": break_line},
     )
     agent.shutdown()
@@ -145,9 +145,9 @@ def test_recompile_limit_hit_is_counted(scenario: Scenario) -> None:
         if is_recompile_limit(
             m.fail_type,
             m.fail_reason,
-            tf.RECOMPILE_LIMIT_MARKERS,
-            tf.RECOMPILE_LIMIT_FAIL_TYPES,
-            tf.RECOMPILE_LIMIT_ERRORS,
+            dynamo_compat.RECOMPILE_LIMIT_MARKERS,
+            dynamo_compat.RECOMPILE_LIMIT_FAIL_TYPES,
+            dynamo_compat.RECOMPILE_LIMIT_ERRORS,
         )
     ]
     assert 1 == len(torch_hits)
@@ -206,17 +206,17 @@ def test_dynamo_reset_mid_job_keeps_the_probe_working(scenario: Scenario) -> Non
         compiled(torch.randn(2))
         torch._dynamo.reset()
         callback = agent.probes["compile"]._start.callback
-        assert callback not in tf.callback_handler().start_callbacks
+        assert callback not in dynamo_compat.callback_handler().start_callbacks
         compiled = torch.compile(reset_fn, backend="eager")
         compiled(torch.randn(2))
         compiled(torch.randn(5))
         agent.drain()
         assert 3.0 == agent.store.value("compile_frames_total", ("ok",))
         assert 1.0 == agent.store.value("recompiles_total", (_label(reset_fn), "tensor_size"))
-        assert callback in tf.callback_handler().start_callbacks  # re-added by the next compile
+        assert callback in dynamo_compat.callback_handler().start_callbacks  # re-added by the next compile
     finally:
         agent.shutdown()
-    assert callback not in tf.callback_handler().start_callbacks
+    assert callback not in dynamo_compat.callback_handler().start_callbacks
 
 
 def detach_fn(x: torch.Tensor) -> torch.Tensor:

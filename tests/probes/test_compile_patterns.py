@@ -19,9 +19,9 @@ from torch._dynamo.utils import counters
 from torch._logging._internal import set_logs
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.compile import Compilation
 from torchpulse.probes.compile_reasons import function_label
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 HERE = __file__
 # A C-level file: pytest's captured sys.stdout has a Python `write` that Dynamo would count as frames of its own.
@@ -227,7 +227,7 @@ def test_graph_break_log_turned_on_later_prints_the_full_break(patterns: Pattern
         def emit(self, record: logging.LogRecord) -> None:
             printed.append(record.getMessage())
 
-    logger = logging.getLogger(tf.GRAPH_BREAK_LOGGER)
+    logger = logging.getLogger(dynamo_compat.GRAPH_BREAK_LOGGER)
     capture = Capture()
     try:
         compiled = torch.compile(graph_break_fn, backend="eager", dynamic=False)
@@ -317,12 +317,16 @@ def test_a_compiled_optimizer_step_keeps_its_math_compiled_and_is_timed() -> Non
             opt.zero_grad()
 
     train(reference, compiled=False)
-    earlier = {id(m) for m in tf.compilation_metrics_history()}
+    earlier = {id(m) for m in dynamo_compat.compilation_metrics_history()}
     agent = local_agent(("optimizer", "compile"))
     try:
         train(probed, compiled=True)
         agent.drain()
-        names = {(m.co_name, m.fail_type is None) for m in tf.compilation_metrics_history() if id(m) not in earlier}
+        names = {
+            (m.co_name, m.fail_type is None)
+            for m in dynamo_compat.compilation_metrics_history()
+            if id(m) not in earlier
+        }
         steps = _series(agent, "optimizer_steps_total")
     finally:
         agent.shutdown()

@@ -17,7 +17,7 @@ import io, json, logging.config
 import torch, torch._dynamo
 from torch._dynamo.utils import counters
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 agent = local_agent(("compile",))
 printed = io.StringIO()
 logging.config.dictConfig({"version": 1, "handlers": {"out": {"class": "logging.StreamHandler", "stream": printed}},
@@ -35,7 +35,8 @@ agent.drain()
 series = {name: sum(v for (n, _), v in agent.store._values.items() if n == name)
           for name in ("compile_frames_total", "recompiles_total", "graph_breaks_total")}
 agent.shutdown()
-disabled = [logging.getLogger(name).disabled for name in (tf.METRICS_LOGGER, tf.GRAPH_BREAK_LOGGER)]
+taps = (dynamo_compat.METRICS_LOGGER, dynamo_compat.GRAPH_BREAK_LOGGER)
+disabled = [logging.getLogger(name).disabled for name in taps]
 print(json.dumps({"probe": series, "torch": [counters["frames"]["ok"], sum(counters["graph_break"].values())],
                   "printed": printed.getvalue(), "disabled": disabled}))
 """

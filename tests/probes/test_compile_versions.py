@@ -11,9 +11,9 @@ import torch
 import torch._dynamo.utils
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.compile import Compilation, is_recompile_id
 from torchpulse.probes.compile_reasons import function_label
+from torchpulse.probes.torch_compat import features
 
 
 @dataclasses.dataclass
@@ -104,5 +104,5 @@ def test_recompiles_match_the_compile_ids_torch_recorded(agent: Any) -> None:
     expected = [m for m in metrics if is_recompile_id(str(m.compile_id)) and m.fail_type is None]
     assert 2 == len(expected)
     label = function_label(count_fn.__name__, count_fn.__code__.co_filename, count_fn.__code__.co_firstlineno)
-    reason = "python_value" if tf.has("compilation_metrics_recompile_reason") else "other"
+    reason = "python_value" if features.has("compilation_metrics_recompile_reason") else "other"
     assert {(label, reason): float(len(expected))} == _series(agent, "recompiles_total")

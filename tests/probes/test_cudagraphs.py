@@ -17,9 +17,10 @@ from torch._inductor.cudagraph_trees import CUDAGraphNode, CUDAWarmupNode, Stora
 from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
+from torchpulse.probes.torch_compat import features
 
-TREES_LOG = logging.getLogger(tf.CUDAGRAPH_TREES_LOGGER)
+TREES_LOG = logging.getLogger(trees_compat.CUDAGRAPH_TREES_LOGGER)
 STATIC_INPUT_CHANGED = "static input data pointer changed.\ninput name: primals_1. data pointer changed from 1 to 2."
 
 
@@ -41,7 +42,7 @@ def _poll(agent: Any) -> None:
 @pytest.fixture
 def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The optimizer and cudagraphs probes as in a CUDA process (the tree-manager log is tapped)."""
-    monkeypatch.setattr(tf, "cuda_present", lambda: True)
+    monkeypatch.setattr(trees_compat, "cuda_present", lambda: True)
     probe_agent: Any = local_agent(("optimizer", "cudagraphs"), optimizer_state_every=1)
     yield probe_agent
     probe_agent.shutdown()
@@ -82,12 +83,12 @@ def _cudagraphify_impl() -> Callable[[int], None]:
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe looks for the stand-ins' frames where it looks for torch's."""
     frames = SimpleNamespace(run=_run.__code__, deferred=_cudagraphify_impl().__code__)
-    monkeypatch.setattr(tf, "tree_frames", lambda: frames, raising=False)
+    monkeypatch.setattr(trees_compat, "tree_frames", lambda: frames, raising=False)
 
 
 def test_this_torch_has_the_frames_the_probe_reads() -> None:
     """The stand-ins mirror torch 2.13: the re-record reason and the per-shape cache are locals there."""
-    frames = tf.tree_frames()
+    frames = trees_compat.tree_frames()
     assert frames is not None
     assert "unexpected_rerecord_reason" in frames.run.co_varnames
     assert "fn_cache" in frames.deferred.co_freevars
@@ -126,9 +127,9 @@ def test_without_the_frames_lines_are_counted_and_the_gap_logged_once(
 ) -> None:
     """On a torch whose tree functions differ, each Re-recording line counts (an over-count on alternating
     inputs) and new shapes are told apart by compile id; the missing feature is logged once."""
-    monkeypatch.setattr(tf, "tree_frames", lambda: None, raising=False)
-    monkeypatch.setattr(tf, "FEATURES", {})
-    monkeypatch.setattr(tf, "_DETECTORS", {**tf._DETECTORS, "cudagraph_tree_frames": lambda: False})
+    monkeypatch.setattr(trees_compat, "tree_frames", lambda: None, raising=False)
+    monkeypatch.setattr(features, "FEATURES", {})
+    monkeypatch.setattr(features, "_DETECTORS", {**features._DETECTORS, "cudagraph_tree_frames": lambda: False})
     _run([STATIC_INPUT_CHANGED], records=True)
     _run([STATIC_INPUT_CHANGED], records=False)
     forward = _cudagraphify_impl()
@@ -235,7 +236,7 @@ def test_static_check_answers_like_the_tree_node_and_creates_no_tree_state(
     try:
         grads = [_CudaLike(t) for t in outputs[1:] + others]
         expected = [node._is_cuda_graph_recorded_tensor(g) for g in grads]
-        static = tf.static_checker()
+        static = trees_compat.static_checker()
         assert [True] * 3 + [False] * 3 == expected
         assert expected == [static(g) for g in grads]  # type: ignore[arg-type]
         assert static(_CudaLike(others[0], index=1)) is False  # type: ignore[arg-type]
@@ -288,8 +289,8 @@ def test_pool_bytes_sums_the_managers_pools_from_a_snapshot_without_traces(monke
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
     managers = [SimpleNamespace(cuda_graphs_thread_pool=(1, 2))]
-    assert ((2 << 20) + 512, [{"include_traces": False}]) == (tf.pool_bytes(managers), calls)
-    assert 0 == tf.pool_bytes([])
+    assert ((2 << 20) + 512, [{"include_traces": False}]) == (trees_compat.pool_bytes(managers), calls)
+    assert 0 == trees_compat.pool_bytes([])
 
 
 class _ShardedLike(_CudaLike):
@@ -318,9 +319,9 @@ def test_readiness_reads_sharded_grads_through_their_local_shard() -> None:
     optimizer: Any = SimpleNamespace(param_groups=[{"params": [param], "capturable": True}], state={})
     last: dict[int, int] = {}
     try:
-        first = measure_readiness(optimizer, last, tf.static_checker())
+        first = measure_readiness(optimizer, last, trees_compat.static_checker())
         param.grad = _ShardedLike(outputs[0])
-        second = measure_readiness(optimizer, last, tf.static_checker())
+        second = measure_readiness(optimizer, last, trees_compat.static_checker())
     finally:
         containers.clear()
     assert ((1, 0), (0, 1)) == (

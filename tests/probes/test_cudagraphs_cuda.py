@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.compile_logtap import LogTap
+from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,7 +52,7 @@ def _trees() -> tuple[int, int, int, int]:
     Both tables are defaultdicts that torch's lookups fill with empty lists.
     """
     trees = nodes = again = warmed = 0
-    for manager in tf.tree_managers():
+    for manager in trees_compat.tree_managers():
         warmed += len(manager.warmed_up_functions)
         for siblings in manager.roots.values():
             trees += len(siblings)
@@ -71,7 +72,7 @@ def _pool_bytes() -> int:
 
     return sum(
         int(segment["total_size"])
-        for manager in tf.tree_managers()
+        for manager in trees_compat.tree_managers()
         for segment in get_cudagraph_segments(manager.cuda_graphs_thread_pool)
     )
 
@@ -158,7 +159,7 @@ def test_readiness_counts_what_dynamo_would_find(agent: Any) -> None:
 
 def test_mutated_input_skip_is_classified(agent: Any) -> None:
     """A graph that mutates a non-static input skips CUDA graphs; counted as mutated_inputs like torch counts it."""
-    before = tf.dynamo_counter("inductor", "cudagraph_skips")
+    before = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
     skips = _series(agent, "cudagraph_skips_total")
 
     def mutate(x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,7 @@ def test_mutated_input_skip_is_classified(agent: Any) -> None:
         compiled(torch.randn(4, device="cuda"))
     torch.optim.SGD([torch.zeros(1, device="cuda", requires_grad=True)], lr=0.1).step()  # poll point
     agent.drain()
-    skipped = tf.dynamo_counter("inductor", "cudagraph_skips") - before
+    skipped = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips") - before
     assert skipped >= 1
     assert {("mutated_inputs",): float(skipped)} == _grown(agent, "cudagraph_skips_total", skips)
 
@@ -180,10 +181,10 @@ def _symint_lines() -> tuple[list[str], LogTap]:
     lines: list[str] = []
 
     def sink(record: logging.LogRecord) -> None:
-        if tf.TREES_SYMINT_RECORDING in str(record.msg):
+        if trees_compat.TREES_SYMINT_RECORDING in str(record.msg):
             lines.append(record.getMessage())
 
-    return lines, LogTap(tf.CUDAGRAPH_TREES_LOGGER, logging.INFO, sink)
+    return lines, LogTap(trees_compat.CUDAGRAPH_TREES_LOGGER, logging.INFO, sink)
 
 
 def _assert_second_sizes_rerecord_once_per_graph(agent: Any, run_size: Callable[[int], object]) -> None:

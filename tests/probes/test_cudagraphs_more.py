@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 from tests.support import local_agent
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 from torchpulse.protocol import Command
 
 
@@ -80,7 +80,7 @@ def test_reduce_overhead_on_cpu_is_one_skip_per_compile_also_after_dynamo_reset(
     agent: Any = local_agent(("cudagraphs",), optimizer_state_every=1)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = tf.dynamo_counter("inductor", "cudagraph_skips")
+    before = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
     try:
         for _ in range(2):
             compiled = torch.compile(model, mode="reduce-overhead")
@@ -89,7 +89,7 @@ def test_reduce_overhead_on_cpu_is_one_skip_per_compile_also_after_dynamo_reset(
                 optimizer.step()
             torch._dynamo.reset()
         agent.drain()
-        assert 2 == tf.dynamo_counter("inductor", "cudagraph_skips") - before
+        assert 2 == dynamo_compat.dynamo_counter("inductor", "cudagraph_skips") - before
         assert {("cpu_device",): 2.0} == {
             labels: value for labels, value in _series(agent, "cudagraph_skips_total").items() if value
         }

@@ -160,9 +160,9 @@ def test_reinstall_and_resend_keep_running_totals() -> None:
 
 LATE_DYNAMO_JOB = """
 import sys, torch
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
 if sys.argv[1] == "cuda":
-    tf.cuda_present = lambda: True  # as in a CUDA process: the tree-manager log is tapped
+    trees_compat.cuda_present = lambda: True  # as in a CUDA process: the tree-manager log is tapped
 from tests.support import local_agent
 agent = local_agent(("compile", "cudagraphs"))
 def series(prefix):

@@ -4,7 +4,7 @@ Some probes need a module the job may never import (`torch._dynamo`,
 `torch.distributed.checkpoint`). Importing it at attach would change the job:
 `torch.distributed.checkpoint` costs ~0.9 s, and a `torch._dynamo` imported
 before `init_process_group` makes DDP over gloo hang at exit now and then on
-torch 2.13 (see `torch_features.DYNAMO`). So the probe waits for the job to
+torch 2.13 (see `torch_compat.DYNAMO`). So the probe waits for the job to
 import it, and finishes installing then.
 
 One finder serves every waiting callback: the import system asks finders in

@@ -26,7 +26,6 @@ import torch.autograd
 import torch.autograd.graph
 
 from torchpulse.bounds import TokenBucket
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.autograd_config import AutogradConfig
 from torchpulse.probes.autograd_names import NameResolver
 from torchpulse.probes.autograd_nodes import (
@@ -42,6 +41,8 @@ from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
 from torchpulse.probes.base import Probe
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
+from torchpulse.probes.torch_compat import features
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
@@ -187,12 +188,12 @@ class AutogradProbe(Probe):
         wrapper = graph_patch._replacement if same else self._wrap(current)
         self._keep(_Patch(torch.autograd, "_engine_run_backward", wrapper))
         self._install_after_import(
-            tf.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper)
+            dynamo_compat.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper)
         )
         if self.config.nonfinite:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-            for feature in tf.missing("dispatch_modes_aside"):
+            for feature in features.missing("dispatch_modes_aside"):
                 log.warning("autograd probe runs without a torch feature", feature=feature.name, reason=feature.reason)
 
             self._keep(register_optimizer_step_pre_hook(self.guard(self._track_optimizer)))
@@ -218,11 +219,11 @@ class AutogradProbe(Probe):
         (~2 µs a pass, only for passes started inside compiled code).
         """
         for wrapper in set(wrappers):
-            tf.skip_tracing(wrapper)
+            dynamo_compat.skip_tracing(wrapper)
         PassTimer.keep_dynamo_out()
-        self._begin_untraced = tf.disable_tracing(self._begin)
-        self._end_untraced = tf.disable_tracing(self._end)
-        self._dynamo_callback = tf.dynamo_frame_callback_getter()
+        self._begin_untraced = dynamo_compat.disable_tracing(self._begin)
+        self._end_untraced = dynamo_compat.disable_tracing(self._end)
+        self._dynamo_callback = dynamo_compat.dynamo_frame_callback_getter()
 
     def _track_optimizer(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """Check every parameter an optimizer steps, from its first step on (one lookup per step)."""

@@ -18,7 +18,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import distributed as fsdp_compat
 
 # Child names that only a wrapper introduces: always a wrapper boundary.
 WRAPPER_CHILDREN = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -46,7 +46,7 @@ def parameter_names(root: nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
         for name, param in module._parameters.items():
             if param is not None and id(param) not in names:
                 names[id(param)] = (param, prefix + name)
-        sharded_pairs.extend(tf.fsdp2_parameter_pairs(module))
+        sharded_pairs.extend(fsdp_compat.fsdp2_parameter_pairs(module))
         children = [
             (child, prefix if is_wrapper_edge(module, name) else f"{prefix}{name}.")
             for name, child in module._modules.items()

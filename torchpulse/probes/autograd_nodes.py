@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from torchpulse.probes import torch_features as tf
+from torchpulse.probes.torch_compat import autograd_engine as autograd_compat
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 # (dtype, shape) of each grad_output, None for an undefined gradient; "?" for a size a
 # strided nested tensor leaves irregular (it has no `shape`).
@@ -72,7 +73,7 @@ def format_grad_outputs(shapes: Sequence[GradShape]) -> str:
 
 
 def _format_one(dtype: torch.dtype, shape: tuple[int | str, ...]) -> str:
-    return f"{tf.dtype_abbreviations().get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
+    return f"{autograd_compat.dtype_abbreviations().get(dtype, str(dtype))}[{', '.join(map(str, shape))}]"
 
 
 def roots_of(outputs: Iterable[Any]) -> list[Node]:
@@ -181,8 +182,8 @@ class PassTimer:
         """Have Dynamo skip every timer's hook frames (under a compiled step the engine runs them
         with Dynamo on); skipping goes by code object, so one sample of each hook does it."""
         sample = cls((), detailed=True, on_parameter=lambda _param: None)
-        tf.skip_tracing(sample._make_prehook(0))
-        tf.skip_tracing(sample._make_posthook(0))
+        dynamo_compat.skip_tracing(sample._make_prehook(0))
+        dynamo_compat.skip_tracing(sample._make_posthook(0))
 
     @property
     def node_count(self) -> int:
@@ -195,7 +196,7 @@ class PassTimer:
 
     def _make_prehook(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
         starts, shapes, detailed, own = self._starts, self._shapes, self.detailed, self._task
-        clock, task_id, root = time.perf_counter, tf.graph_task_id, index < self._roots
+        clock, task_id, root = time.perf_counter, autograd_compat.graph_task_id, index < self._roots
 
         def prehook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
             try:
@@ -232,7 +233,7 @@ class PassTimer:
             self._order,
             time.perf_counter,
         )
-        own, task_id = self._task, tf.graph_task_id
+        own, task_id = self._task, autograd_compat.graph_task_id
 
         def posthook(_grad_inputs: Any, _grad_outputs: Any) -> None:
             try:

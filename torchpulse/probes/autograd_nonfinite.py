@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchpulse.probes.torch_features import dispatch_modes_aside
+from torchpulse.probes.torch_compat.autograd_engine import dispatch_modes_aside
 
 ParamRef = weakref.ReferenceType[torch.Tensor]
 

@@ -200,7 +200,7 @@ class Probe:
 
         if not traceable:
             return guarded  # type: ignore[return-value]
-        from torchpulse.probes.torch_features import disable_tracing
+        from torchpulse.probes.torch_compat.dynamo import disable_tracing
 
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.

@@ -15,7 +15,6 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe
 from torchpulse.probes.compile_logtap import LogTap
 from torchpulse.probes.compile_reasons import (
@@ -28,6 +27,8 @@ from torchpulse.probes.compile_reasons import (
 from torchpulse.probes.config import int_option
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.store import BoundedLabel
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
+from torchpulse.probes.torch_compat import features
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
@@ -125,14 +126,14 @@ class _StartCallback:
         self.callback = callback
 
     def ensure(self) -> None:
-        handler = tf.callback_handler()
+        handler = dynamo_compat.callback_handler()
         if self.callback not in handler.start_callbacks:
             handler.register_start_callback(self.callback)
 
     def remove(self) -> None:
         # ValueError: already cleared by torch._dynamo.reset().
         with contextlib.suppress(ValueError):
-            tf.callback_handler().remove_start_callback(self.callback)
+            dynamo_compat.callback_handler().remove_start_callback(self.callback)
 
 
 class CompileProbe(Probe):
@@ -156,32 +157,34 @@ class CompileProbe(Probe):
 
     def _install(self) -> None:
         # Nothing to observe before the job imports Dynamo, and importing it here
-        # would change the job (see `torch_features.DYNAMO`).
-        self._install_after_import(tf.DYNAMO, self._install_with_dynamo)
+        # would change the job (see `torch_compat.DYNAMO`).
+        self._install_after_import(dynamo_compat.DYNAMO, self._install_with_dynamo)
 
     def _install_with_dynamo(self) -> None:
-        self._reasons_known = tf.has("compilation_metrics_recompile_reason")
-        for feature in tf.missing(
+        self._reasons_known = features.has("compilation_metrics_recompile_reason")
+        for feature in features.missing(
             "compilation_metrics_log", "compilation_metrics_recompile_reason", "compile_callbacks"
         ):
             log.warning("compile probe runs without a torch feature", feature=feature.name, reason=feature.reason)
-        if tf.has("compilation_metrics_log"):
-            if not tf.metrics_logging_enabled():
+        if features.has("compilation_metrics_log"):
+            if not dynamo_compat.metrics_logging_enabled():
                 log.warning("torch._dynamo.config.log_compilation_metrics is off; compile metrics stay empty")
             else:
                 # Only now that frames can be counted: a 0 says "watched, none", so not before
                 # Dynamo is loaded nor without the records. The other compile counters are labelled
                 # by function or location, an open set, and start at their first event.
                 self.start_at_zero("compile_frames_total", tuple((status,) for status in FRAME_STATUSES))
-            self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
+            self._tap(dynamo_compat.METRICS_LOGGER, logging.INFO, self._on_metrics_record)
             # A limit hit names its function only through an earlier compile of the frame, which
             # may predate the probe (attached late, or to a running job).
             history = [
-                Compilation.of(m) for m in tf.compilation_metrics_history() if not getattr(m, "is_runtime", False)
+                Compilation.of(m)
+                for m in dynamo_compat.compilation_metrics_history()
+                if not getattr(m, "is_runtime", False)
             ]
             self.agent.record_quiet(self._remember_frames, history)
-        self._graph_breaks = self._tap(tf.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
-        if tf.has("compile_callbacks"):
+        self._graph_breaks = self._tap(dynamo_compat.GRAPH_BREAK_LOGGER, logging.DEBUG, self._on_graph_break_record)
+        if features.has("compile_callbacks"):
             self._start = _StartCallback(self.guard(self._on_compile_start))
             self._start.ensure()
             self._keep(self._start)
@@ -207,7 +210,7 @@ class CompileProbe(Probe):
             tap.refresh()
 
     def _on_metrics_record(self, record: logging.LogRecord) -> None:
-        metrics = tf.compilation_metrics_of(record.args)
+        metrics = dynamo_compat.compilation_metrics_of(record.args)
         if metrics is None or getattr(metrics, "is_runtime", False):
             return
         if self._start is not None:
@@ -217,12 +220,12 @@ class CompileProbe(Probe):
     def _on_graph_break_record(self, record: logging.LogRecord) -> None:
         if (
             isinstance(record.msg, str)
-            and record.msg.startswith(tf.GRAPH_BREAK_FULL_PREFIX)
+            and record.msg.startswith(dynamo_compat.GRAPH_BREAK_FULL_PREFIX)
             and self._graph_breaks is not None
             and self._graph_breaks.hides(record)
         ):
             # Dynamo deduplicated this break only because the tap enabled its logger.
-            tf.forget_graph_break_dedup()
+            dynamo_compat.forget_graph_break_dedup()
         self.agent.record(self._on_graph_break, record.getMessage())
 
     # -- agent thread ----------------------------------------------------------
@@ -251,9 +254,9 @@ class CompileProbe(Probe):
         if is_recompile_limit(
             c.fail_type,
             c.fail_reason,
-            tf.RECOMPILE_LIMIT_MARKERS,
-            tf.RECOMPILE_LIMIT_FAIL_TYPES,
-            tf.RECOMPILE_LIMIT_ERRORS,
+            dynamo_compat.RECOMPILE_LIMIT_MARKERS,
+            dynamo_compat.RECOMPILE_LIMIT_FAIL_TYPES,
+            dynamo_compat.RECOMPILE_LIMIT_ERRORS,
         ):
             store.inc("recompile_limit_hits_total", (self._functions(function),))
             self.agent.emit(

@@ -79,7 +79,7 @@ class Control:
         so that `ctl disable optimizer` can be undone by `ctl enable optimizer`."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from torchpulse.probes.torch_features import disable_tracing
+        from torchpulse.probes.torch_compat.dynamo import disable_tracing
 
         if self._handle is None:
             self._hook = disable_tracing(self._after_step)
@@ -138,7 +138,7 @@ class Control:
             log.warning("step boundary hook failed", error=repr(exc))
 
     def _adopt(self, optimizer: Any) -> None:
-        from torchpulse.probes.torch_features import disable_tracing
+        from torchpulse.probes.torch_compat.dynamo import disable_tracing
 
         if self._pre_handle is not None:
             self._pre_handle.remove()  # the old optimizer's own table: not being iterated
@@ -154,7 +154,7 @@ class Control:
 
     def _last_hook(self) -> bool:
         """Whether our hook is the last of the global table (unknown tables count as last)."""
-        from torchpulse.probes.torch_features import global_optimizer_post_hooks
+        from torchpulse.probes.torch_compat.optim import global_optimizer_post_hooks
 
         table = global_optimizer_post_hooks()
         return table is None or self._handle is None or next(reversed(table), None) == self._handle.id

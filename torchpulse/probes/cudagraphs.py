@@ -6,7 +6,7 @@ Sources, all read without changing what torch prints (see `compile_logtap`):
   message, so increments no message explains are CPU-device skips.
 - The tree manager's own debug/info lines for warm-ups, recordings, new shapes
   and re-record reasons, told apart by the frames they are logged from (see
-  `torch_features.TREES_RERECORD_REASON`), and the CUDAGRAPH_RECORDING compile
+  `torch_compat.TREES_RERECORD_REASON`), and the CUDAGRAPH_RECORDING compile
   callbacks for recording time.
 - The tree manager itself (thread-local) and optimizer state, read from the
   training thread in a global optimizer post-hook every N steps.
@@ -27,7 +27,6 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe
 from torchpulse.probes.compile_logtap import LogTap
 from torchpulse.probes.compile_reasons import (
@@ -39,6 +38,9 @@ from torchpulse.probes.compile_reasons import (
 from torchpulse.probes.config import int_option
 from torchpulse.probes.logs import get_logger
 from torchpulse.probes.optimizer import OptimizerLabels
+from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
+from torchpulse.probes.torch_compat import features
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
@@ -60,7 +62,7 @@ def measure_readiness(
     optimizer: Optimizer, last_ptrs: dict[int, int], is_static: Callable[[torch.Tensor], bool]
 ) -> Readiness:
     """Count the CUDA-graph hazards of one optimizer; `last_ptrs` maps param id -> grad address,
-    `is_static` is `torch_features.static_checker()`."""
+    `is_static` is `torch_compat.static_checker()`."""
     nonstatic = moving = cpu_steps = 0
     capturable: list[tuple[int, bool]] = []
     for index, group in enumerate(optimizer.param_groups):
@@ -108,14 +110,14 @@ class _Callbacks:
         self.start, self.end = start, end
 
     def ensure(self) -> None:
-        handler = tf.callback_handler()
+        handler = dynamo_compat.callback_handler()
         if self.start not in handler.start_callbacks:
             handler.register_start_callback(self.start)
         if self.end not in handler.end_callbacks:
             handler.register_end_callback(self.end)
 
     def remove(self) -> None:
-        handler = tf.callback_handler()
+        handler = dynamo_compat.callback_handler()
         for remove, callback in ((handler.remove_start_callback, self.start), (handler.remove_end_callback, self.end)):
             with contextlib.suppress(ValueError):
                 remove(callback)
@@ -164,34 +166,34 @@ class CudaGraphProbe(Probe):
         self._nonstatic_last = 0
 
     def _read_baselines(self) -> None:
-        if tf.has("dynamo_counters"):
-            self._skip_last = self._skip_base = tf.dynamo_counter("inductor", "cudagraph_skips")
-            self._nonstatic_last = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
+        if features.has("dynamo_counters"):
+            self._skip_last = self._skip_base = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
+            self._nonstatic_last = dynamo_compat.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
 
     def _install(self) -> None:
         # Everything here reads Dynamo or Inductor: wait for the job to import Dynamo
         # (a compile, or its first optimizer step) instead of importing it now.
-        self._install_after_import(tf.DYNAMO, self._install_with_dynamo)
+        self._install_after_import(dynamo_compat.DYNAMO, self._install_with_dynamo)
 
     def _install_with_dynamo(self) -> None:
         _skip_tracing_once()
         # Tree managers are detected once the job imports their module (`_trees_usable`).
-        for feature in tf.missing("dynamo_counters", "compile_callbacks", "compile_callback_args"):
+        for feature in features.missing("dynamo_counters", "compile_callbacks", "compile_callback_args"):
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         self._reset_state()
         self._read_baselines()
-        for logger_name in tf.CUDAGRAPH_SKIP_LOGGERS:
+        for logger_name in trees_compat.CUDAGRAPH_SKIP_LOGGERS:
             self._tap(logger_name, logging.WARNING, self._on_cudagraphs_record)
-        if tf.cuda_present():
+        if trees_compat.cuda_present():
             # Only a CUDA process builds graph trees; elsewhere a DEBUG level on
             # torch's logger would be a change with nothing to observe.
-            self._tap(tf.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
+            self._tap(trees_compat.CUDAGRAPH_TREES_LOGGER, logging.DEBUG, self._on_trees_record)
             # Inductor imports the tree module when it first records a graph: a job that never
             # uses CUDA graphs (most, though every optimizer step loads Dynamo) gets no zeros.
-            self._install_after_import(tf.CUDAGRAPH_TREES, self._start_counters_at_zero)
-        if tf.has("compilation_metrics_log"):
-            self._tap(tf.METRICS_LOGGER, logging.INFO, self._on_compile_end)
-        if tf.has("compile_callbacks") and tf.has("compile_callback_args"):
+            self._install_after_import(trees_compat.CUDAGRAPH_TREES, self._start_counters_at_zero)
+        if features.has("compilation_metrics_log"):
+            self._tap(dynamo_compat.METRICS_LOGGER, logging.INFO, self._on_compile_end)
+        if features.has("compile_callbacks") and features.has("compile_callback_args"):
             self._callbacks = _Callbacks(self.guard(self._on_callback_start), self.guard(self._on_callback_end))
             self._callbacks.ensure()
             self._keep(self._callbacks)
@@ -210,7 +212,7 @@ class CudaGraphProbe(Probe):
             "cudagraph_dynamic_shape_warnings_total",
         ):
             self.start_at_zero(family)
-        if tf.has("dynamo_counters"):  # its only source
+        if features.has("dynamo_counters"):  # its only source
             self.start_at_zero("cudagraph_nonstatic_input_copies_total")
 
     def _tap(self, logger_name: str, level: int, sink: Any) -> None:
@@ -226,7 +228,7 @@ class CudaGraphProbe(Probe):
 
     # -- training thread: compile time and slow CUDA-graph paths ---------------
     def _on_compile_end(self, record: logging.LogRecord) -> None:
-        if tf.compilation_metrics_of(record.args) is None:
+        if dynamo_compat.compilation_metrics_of(record.args) is None:
             return
         if self._callbacks is not None:
             self._callbacks.ensure()  # torch._dynamo.reset() clears compile callbacks
@@ -236,28 +238,30 @@ class CudaGraphProbe(Probe):
 
     def _on_cudagraphs_record(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if record.funcName == tf.CUDAGRAPH_SKIP_FUNCTION or message.startswith(tf.CUDAGRAPH_SKIP_PREFIX):
+        if record.funcName == trees_compat.CUDAGRAPH_SKIP_FUNCTION or message.startswith(
+            trees_compat.CUDAGRAPH_SKIP_PREFIX
+        ):
             self._skip_messages += 1
-            limit = any(marker in message for marker in tf.CUDAGRAPH_RERECORD_LIMIT_MARKERS)
+            limit = any(marker in message for marker in trees_compat.CUDAGRAPH_RERECORD_LIMIT_MARKERS)
             self.agent.record(self._on_skip, classify_cudagraph_skip(message), message, limit)
-        elif message.startswith(tf.CUDAGRAPH_DYNAMIC_SHAPE_WARNING):
+        elif message.startswith(trees_compat.CUDAGRAPH_DYNAMIC_SHAPE_WARNING):
             self.agent.record(self._on_dynamic_shape_warning, message)
 
     def _on_trees_record(self, record: logging.LogRecord) -> None:
         msg = str(record.msg)
         args = record.args if isinstance(record.args, tuple) else ()
-        if tf.TREES_WARMUP in msg:
+        if trees_compat.TREES_WARMUP in msg:
             self.agent.record(self._inc, "cudagraph_warmups_total")
-        elif tf.TREES_RERECORD in msg and len(args) >= 4:
+        elif trees_compat.TREES_RERECORD in msg and len(args) >= 4:
             if self._tree_frames() is None:
                 # Without the frames: one line per recorded sibling that failed its checks, an over-count.
                 self.agent.record(self._on_rerecord, classify_rerecord(str(args[3])), str(args[3]))
-        elif tf.TREES_SYMINT_RECORDING in msg and args:
+        elif trees_compat.TREES_SYMINT_RECORDING in msg and args:
             self._on_new_shape(str(args[0]), msg % args)
-        elif tf.TREES_RECORDING in msg:
+        elif trees_compat.TREES_RECORDING in msg:
             frames = self._tree_frames()
             if frames is not None:
-                found, reason = tf.caller_local(frames.run, tf.TREES_RERECORD_REASON)
+                found, reason = trees_compat.caller_local(frames.run, trees_compat.TREES_RERECORD_REASON)
                 if found and reason is not None:
                     self.agent.record(self._on_rerecord, classify_rerecord(str(reason)), str(reason))
             if self._callbacks is None:
@@ -268,7 +272,7 @@ class CudaGraphProbe(Probe):
         # The first shape of a compiled graph is its first recording, not a re-record.
         frames = self._tree_frames()
         if frames is not None:
-            found, shapes = tf.caller_local(frames.deferred, tf.TREES_SHAPE_CACHE)
+            found, shapes = trees_compat.caller_local(frames.deferred, trees_compat.TREES_SHAPE_CACHE)
             if found:
                 if shapes:
                     self.agent.record(self._on_rerecord, "new_dynamic_shape", detail)
@@ -278,20 +282,23 @@ class CudaGraphProbe(Probe):
         elif len(self._symint_ids) < MAX_SYMINT_IDS:
             self._symint_ids.add(compile_id)
 
-    def _tree_frames(self) -> tf.TreeFrames | None:
-        frames = tf.tree_frames()
+    def _tree_frames(self) -> trees_compat.TreeFrames | None:
+        frames = trees_compat.tree_frames()
         if frames is None and not self._frames_warned:
             self._frames_warned = True
-            feature = tf.feature("cudagraph_tree_frames")
+            feature = features.feature("cudagraph_tree_frames")
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         return frames
 
     def _on_callback_start(self, args: Any) -> None:
-        if tf.callback_trigger_name(args) == tf.TRIGGER_CUDAGRAPH_RECORDING:
+        if dynamo_compat.callback_trigger_name(args) == dynamo_compat.TRIGGER_CUDAGRAPH_RECORDING:
             self._recording_started = time.perf_counter()
 
     def _on_callback_end(self, args: Any) -> None:
-        if tf.callback_trigger_name(args) != tf.TRIGGER_CUDAGRAPH_RECORDING or self._recording_started is None:
+        if (
+            dynamo_compat.callback_trigger_name(args) != dynamo_compat.TRIGGER_CUDAGRAPH_RECORDING
+            or self._recording_started is None
+        ):
             return
         duration = time.perf_counter() - self._recording_started
         self._recording_started = None
@@ -300,18 +307,18 @@ class CudaGraphProbe(Probe):
         self._poll_counters()
 
     def _poll_counters(self) -> None:
-        if not tf.has("dynamo_counters"):
+        if not features.has("dynamo_counters"):
             return
-        now = tf.dynamo_counter("inductor", "cudagraph_skips")
+        now = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
         if now < self._skip_last:  # someone cleared counters: rebase, count nothing
             self._skip_base = now - self._skip_messages - self._skip_unexplained
         unexplained = now - self._skip_base - self._skip_messages
         self._skip_last = now
         if unexplained > self._skip_unexplained:
-            reason = "other" if tf.cudagraph_policy_set() else "cpu_device"
+            reason = "other" if trees_compat.cudagraph_policy_set() else "cpu_device"
             self.agent.record(self._on_silent_skips, reason, unexplained - self._skip_unexplained)
             self._skip_unexplained = unexplained
-        copies = tf.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
+        copies = dynamo_compat.dynamo_counter("inductor", "cudagraph_recorded_non_static_inputs")
         if copies > self._nonstatic_last:
             self.agent.record(self._inc, "cudagraph_nonstatic_input_copies_total", float(copies - self._nonstatic_last))
         self._nonstatic_last = copies
@@ -346,28 +353,28 @@ class CudaGraphProbe(Probe):
         tracked.steps += 1
         if self._callbacks is not None:
             self._callbacks.ensure()
-        readiness = measure_readiness(optimizer, tracked.grad_ptrs, tf.static_checker())
+        readiness = measure_readiness(optimizer, tracked.grad_ptrs, trees_compat.static_checker())
         hint = None
         if not tracked.hinted:
             hint = readiness_hint(readiness)
             tracked.hinted = hint is not None
         self.agent.record(self._on_readiness, tracked.label, readiness, hint)
         self._poll_counters()
-        if tf.CUDAGRAPH_TREES in sys.modules and self._trees_usable():
-            managers = list(tf.tree_managers())
+        if trees_compat.CUDAGRAPH_TREES in sys.modules and self._trees_usable():
+            managers = list(trees_compat.tree_managers())
             seen = tuple(id(manager) for manager in managers)
             # Recordings make the trees dirty; torch._dynamo.reset() drops the managers without a sign.
             if self._trees_dirty or seen != self._trees_seen:
                 self._trees_dirty, self._trees_seen = False, seen
                 trees, nodes = self._count_trees(managers)
-                self.agent.record(self._on_trees, trees, nodes, tf.pool_bytes(managers))
+                self.agent.record(self._on_trees, trees, nodes, trees_compat.pool_bytes(managers))
 
     def _trees_usable(self) -> bool:
-        if tf.trees_loaded():
+        if trees_compat.trees_loaded():
             return True
         if not self._trees_warned:
             self._trees_warned = True
-            feature = tf.feature("cudagraph_tree_managers")
+            feature = features.feature("cudagraph_tree_managers")
             log.warning("cudagraphs probe runs without a torch feature", feature=feature.name, reason=feature.reason)
         return False
 
@@ -375,7 +382,7 @@ class CudaGraphProbe(Probe):
     def _count_trees(managers: list[Any]) -> tuple[int, int]:
         trees = nodes = 0
         for manager in managers:
-            t, n = tf.count_tree_nodes(manager)
+            t, n = trees_compat.count_tree_nodes(manager)
             trees, nodes = trees + t, nodes + n
         return trees, nodes
 
@@ -383,21 +390,21 @@ class CudaGraphProbe(Probe):
         """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
         where the (thread-local) tree manager lives."""
         managers: list[Any]
-        if tf.CUDAGRAPH_TREES not in sys.modules:
+        if trees_compat.CUDAGRAPH_TREES not in sys.modules:
             managers, trees, nodes = [], 0, 0  # nothing compiled with CUDA graphs here yet
-        elif tf.trees_loaded():
-            managers = list(tf.tree_managers())
+        elif trees_compat.trees_loaded():
+            managers = list(trees_compat.tree_managers())
             trees, nodes = self._count_trees(managers)
         else:
             return {"available": False, "reason": "this torch has no CUDA-graph tree managers"}
-        skips = tf.dynamo_counter("inductor", "cudagraph_skips") if tf.has("dynamo_counters") else None
+        skips = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips") if features.has("dynamo_counters") else None
         return {
             "available": True,
-            "cuda": tf.cuda_present(),
+            "cuda": trees_compat.cuda_present(),
             "managers": len(managers),
             "trees": trees,
             "nodes": nodes,
-            "pool_bytes": tf.pool_bytes(managers),
+            "pool_bytes": trees_compat.pool_bytes(managers),
             "skips_total": skips,
         }
 
@@ -464,4 +471,4 @@ class CudaGraphProbe(Probe):
 def _skip_tracing_once() -> None:
     # Dynamo treats a skipped function like a disabled one when a compiled
     # `optimizer.step` calls hooks, without a wrapper in eager mode.
-    tf.skip_tracing(CudaGraphProbe._every_step)
+    dynamo_compat.skip_tracing(CudaGraphProbe._every_step)

@@ -34,15 +34,15 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torchpulse.probes import torch_features as tf
 from torchpulse.probes.base import Probe, Removable
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 if TYPE_CHECKING:
     from torchpulse.probes.agent import Agent
 
 Sizes = tuple[int, int, int]
 # Frames of these files sit between torch's step wrapper and our hook.
-_WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), *tf.TRACING_WRAPPER_PATHS)
+_WRAPPER_DIRS = (str(Path(__file__).resolve().parent.parent), *dynamo_compat.TRACING_WRAPPER_PATHS)
 # Frames searched above a step for an outer step of the same optimizer.
 _MAX_STEP_DEPTH = 32
 
