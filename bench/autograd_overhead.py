@@ -51,10 +51,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import median_interval
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.autograd import AutogradProbe
-from torchpulse.probes.config import AgentConfig
-from torchpulse.probes.identity import current_identity
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.identity import current_identity
+from torchpulse.probes.autograd.probe import AutogradProbe
+from torchpulse.probes.families import FAMILY_TABLE
 
 # The default is judged by its implied ratio (below any noise floor), every_pass by its paired median. The
 # every-pass budget is set at one intra-op thread; at more, the step shrinks while each Python node hook
@@ -113,7 +114,7 @@ def make_probe(**options: str) -> tuple[Agent, AutogradProbe]:
         probes=(),
         options={f"autograd_{k}": v for k, v in options.items()},
     )
-    agent = Agent(config, current_identity())
+    agent = Agent(config, current_identity(), FAMILY_TABLE)
     probe = AutogradProbe(agent)
     probe.install()
     probe.enabled = False

@@ -37,12 +37,13 @@ import torch._dynamo.utils
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import Variant, interleaved, optimizer_hooks, report
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.base import Probe
-from torchpulse.probes.compile import CompileProbe
-from torchpulse.probes.config import AgentConfig
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.identity import current_identity
+from torchpulse.probes.agent.probe import Probe
+from torchpulse.probes.compile.probe import CompileProbe
 from torchpulse.probes.cudagraphs import CudaGraphProbe
-from torchpulse.probes.identity import current_identity
+from torchpulse.probes.families import FAMILY_TABLE
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 BUDGET = 1.005
@@ -56,7 +57,7 @@ def make_agent(capacity: int | None = None) -> Agent:
     """An agent without a sender thread; `capacity` raises its record and event bounds (default: the agent's)."""
     bounds = {} if capacity is None else {"buffer_capacity": capacity, "max_pending_events": capacity}
     config = AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=(), **bounds)  # type: ignore[arg-type]
-    return Agent(config, current_identity())
+    return Agent(config, current_identity(), FAMILY_TABLE)
 
 
 def _frames_compiled() -> int:

@@ -3,7 +3,7 @@
 Run: `.venv/bin/python bench/load.py [--minutes M] [--agents N]`.
 
 Every simulated agent speaks the real protocol (Hello, then Batch frames of
-catalog series) the way `torchpulse.probes.transport` does: running totals,
+catalog series) the way `torchpulse.probes.agent.sender` does: running totals,
 only the series that changed, one flush every 250 ms (staggered across agents),
 a full snapshot after connecting, a sampled autograd pass every 100 steps, a
 compile at start-up, and now and then a recompile with its log event. All

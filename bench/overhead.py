@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchpulse
 from bench.harness import Variant, bench_dir, interleaved, optimizer_hooks, report, running_daemon
+from torchpulse.probes.optimizer import OptimizerProbe
 
 
 def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
@@ -73,6 +74,7 @@ def main() -> int:
         assert agent is not None
         try:
             probe = agent.probes["optimizer"]
+            assert isinstance(probe, OptimizerProbe)
             _, optimizer, model_step = _model_step(args.d_model, 8, 128)
             # Steps run with the probe installed and without, to check against what the probe counted.
             steps_run = {True: 0, False: 0}

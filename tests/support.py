@@ -239,16 +239,18 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
     Tests call `agent.drain()` and read `agent.store` directly; call
     `agent.shutdown()` at the end to uninstall the probes.
     """
-    from torchpulse.probes.agent import Agent
-    from torchpulse.probes.api import _make_probe
-    from torchpulse.probes.config import AgentConfig
-    from torchpulse.probes.identity import current_identity
+    from torchpulse.probes.agent.agent import Agent
+    from torchpulse.probes.agent.config import AgentConfig
+    from torchpulse.probes.agent.identity import current_identity
+    from torchpulse.probes.families import FAMILY_TABLE
 
     agent = Agent(
-        AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=probes, **config), current_identity()
-    )  # type: ignore[arg-type]
+        AgentConfig(socket_path=Path("/nonexistent/torchpulse.sock"), probes=probes, **config),  # type: ignore[arg-type]
+        current_identity(),
+        FAMILY_TABLE,
+    )
     for name in probes:
-        probe = _make_probe(name, agent)
+        probe = FAMILY_TABLE.make(name, agent)
         assert probe is not None, name
         probe.install()
         agent.probes[name] = probe

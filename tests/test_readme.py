@@ -76,7 +76,7 @@ def _backticked_after(intro: str, end: str) -> set[str]:
 
 def test_listed_label_values_are_the_codes_own() -> None:
     """The recompile, CUDA-graph skip and re-record reasons the README lists are exactly the classifier's."""
-    from torchpulse.probes.compile_reasons import CUDAGRAPH_SKIP_REASONS, RECOMPILE_REASONS, RERECORD_REASONS
+    from torchpulse.probes.compile.reasons import CUDAGRAPH_SKIP_REASONS, RECOMPILE_REASONS, RERECORD_REASONS
 
     assert set(RECOMPILE_REASONS) == _backticked_after("`reason` of `recompiles_total` is one of", ";")
     assert set(CUDAGRAPH_SKIP_REASONS) == _backticked_after("CUDA-graph skip reasons:", "(on CPU")

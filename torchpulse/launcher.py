@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from torchpulse.paths import agent_socket_path
-from torchpulse.probes.identity import generate_run_name
+from torchpulse.probes.agent.identity import generate_run_name
 from torchpulse.terminal import printable
 
-BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "bootstrap"
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "probes" / "agent" / "bootstrap"
 SHELL = "/bin/sh"
 USAGE = "usage: torchpulse run [--socket PATH] [--run-name NAME] [--probes LIST] -- COMMAND [ARGS...]"
 # python, python3, python3.11, python3.13t: interpreters whose options `launch` reads.
@@ -52,8 +52,8 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
 
 def probes_error(probes: str | None) -> str | None:
     """Why `--probes` cannot be used, or None: a typo caught here, not as one log line per rank later."""
-    from torchpulse.probes.api import PROBES
-    from torchpulse.probes.config import probe_names
+    from torchpulse.probes.agent.config import probe_names
+    from torchpulse.probes.families import FAMILIES
 
     if probes is None:
         return None
@@ -61,10 +61,10 @@ def probes_error(probes: str | None) -> str | None:
     if not names:
         # Not what the user meant: the agent reads an empty TORCHPULSE_PROBES as the defaults, and a
         # list of blanks (" , ") as no probe at all.
-        return f"--probes names no probe (known: {', '.join(sorted(PROBES))})"
-    unknown = [name for name in names if name not in PROBES]
+        return f"--probes names no probe (known: {', '.join(sorted(FAMILIES))})"
+    unknown = [name for name in names if name not in FAMILIES]
     if unknown:
-        return f"unknown probe {unknown[0]!r} in --probes (known: {', '.join(sorted(PROBES))})"
+        return f"unknown probe {unknown[0]!r} in --probes (known: {', '.join(sorted(FAMILIES))})"
     return None
 
 

@@ -105,12 +105,13 @@ def test_agents_from_before_the_field_and_daemons_from_before_it_still_talk() ->
 
 
 def test_an_agent_says_how_it_buckets_each_histogram_and_its_daemon_keeps_them_as_they_are(tmp_path: Path) -> None:
-    from torchpulse.probes.agent import Agent
-    from torchpulse.probes.config import AgentConfig
-    from torchpulse.probes.identity import current_identity
-    from torchpulse.probes.transport import Sender
+    from torchpulse.probes.agent.agent import Agent
+    from torchpulse.probes.agent.config import AgentConfig
+    from torchpulse.probes.agent.identity import current_identity
+    from torchpulse.probes.agent.sender import Sender
+    from torchpulse.probes.families import FAMILY_TABLE
 
-    agent = Agent(AgentConfig(socket_path=tmp_path / "agent.sock", probes=()), current_identity())
+    agent = Agent(AgentConfig(socket_path=tmp_path / "agent.sock", probes=()), current_identity(), FAMILY_TABLE)
     hello = decode_agent_frame(encode(Sender(agent)._hello())[8:])
     assert isinstance(hello, Hello)
     assert HISTOGRAM_BOUNDS == hello.histogram_bounds and len(HISTOGRAM_BOUNDS) >= 5

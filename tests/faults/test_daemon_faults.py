@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
-from torchpulse.probes.transport import HEARTBEAT_INTERVAL
+from torchpulse.probes.agent.sender import HEARTBEAT_INTERVAL
 from torchpulse.protocol import Hello, encode
 
 # Puts the listening socket on fd 3 and sets LISTEN_PID to its own pid (as systemd does for the

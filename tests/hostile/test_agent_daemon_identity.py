@@ -19,11 +19,12 @@ import pytest
 import torch  # noqa: F401  (imported here: the agent's child, as another user, cannot read root's Python)
 
 from tests.support import as_user
-from torchpulse.probes import base, control  # noqa: F401  (the same: what the agent imports late)
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.config import AgentConfig
-from torchpulse.probes.identity import current_identity
-from torchpulse.probes.transport import Sender
+from torchpulse.probes.agent import control, probe  # noqa: F401  (the same: what the agent imports late)
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.identity import current_identity
+from torchpulse.probes.agent.sender import Sender
+from torchpulse.probes.families import FAMILY_TABLE
 
 LISTENER_UID = 65534  # nobody: the other user
 JOB_UID = 65533
@@ -103,7 +104,7 @@ def _agent_as(uid: int, socket_path: Path, seconds: float = 1.5) -> list[str]:
         warnings = _Collected(logging.WARNING)
         logging.getLogger("torchpulse.agent").addHandler(warnings)
         config = AgentConfig(socket_path=socket_path, probes=(), backoff_initial=0.05, backoff_max=0.1)
-        agent = Agent(config, current_identity())
+        agent = Agent(config, current_identity(), FAMILY_TABLE)
         agent.active = True  # as after its first step: it connects
         sender = Sender(agent)
         sender.start()

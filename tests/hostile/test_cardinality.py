@@ -18,7 +18,7 @@ import pytest
 
 from tests.hostile.agents import RawAgent
 from tests.support import DaemonProcess, local_agent, select, start_daemon, wait_for
-from torchpulse.probes.store import OTHER
+from torchpulse.probes.agent.store import OTHER
 from torchpulse.protocol import Sample
 
 LIMIT = 50

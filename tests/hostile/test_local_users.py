@@ -36,7 +36,7 @@ from torchpulse.daemon.control import ControlHub, NotAuthorized
 from torchpulse.daemon.registry import Peer, Registry
 from torchpulse.exporters import textfile
 from torchpulse.framing import FrameReader
-from torchpulse.probes.agent import Agent
+from torchpulse.probes.agent.agent import Agent
 from torchpulse.protocol import (
     CALLER_UID_ARG,
     CHECKPOINT_SAVED_EVENT,
@@ -146,11 +146,11 @@ def _job_as(uid: int, socket_path: Path, run: str) -> int:
     # another user, cannot read root's Python installation.
     for module in (
         "torch.profiler",
-        "torchpulse.probes.api",
-        "torchpulse.probes.agent",
-        "torchpulse.probes.control",
+        "torchpulse.probes.attach",
+        "torchpulse.probes.agent.agent",
+        "torchpulse.probes.agent.control",
         "torchpulse.probes.optimizer",
-        "torchpulse.probes.transport",
+        "torchpulse.probes.agent.sender",
     ):
         importlib.import_module(module)
     model = torch.nn.Linear(4, 3)
@@ -161,7 +161,7 @@ def _job_as(uid: int, socket_path: Path, run: str) -> int:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            from torchpulse.probes.api import attach
+            from torchpulse.probes.attach import attach
 
             attach(probes=("optimizer",), socket=str(socket_path), run=run)
             while True:

@@ -53,7 +53,7 @@ def test_a_python2_process_the_job_runs_is_left_as_it_was(tmp_path: Path, with_u
 
 
 REPORT = (
-    "import os, sys, torch\nfrom torchpulse.probes.api import current_agent\n"
+    "import os, sys, torch\nfrom torchpulse.probes.attach import current_agent\n"
     "print(sys.argv[1], current_agent() is not None, flush=True)\n"
 )
 

@@ -208,7 +208,7 @@ def test_bootstrap_chains_to_an_existing_sitecustomize(daemon: DaemonProcess, tm
     site.mkdir()
     (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
     code = (
-        "import os, torch, torchpulse.probes.api as api\n"
+        "import os, torch, torchpulse.probes.attach as api\n"
         "print(os.environ.get('USER_SITECUSTOMIZE_RAN'), api.current_agent() is not None)"
     )
     env = daemon.env(PYTHONPATH=f"{site}{os.pathsep}{REPO}")

@@ -16,7 +16,7 @@ import torch  # a job that already trains
 os = "the job's own binding"
 # As CPython's remote debugger runs it: the file's code in the __main__ namespace.
 exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), globals())
-import torchpulse.probes.api as api
+import torchpulse.probes.attach as api
 agent = api.current_agent()
 print(agent is not None, agent.config.socket_path if agent else None, agent.identity.run if agent else None,
       os, "_torchpulse_remote_attach" in globals())

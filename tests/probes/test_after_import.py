@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from torchpulse.probes.after_import import _FINDER, AfterImport
+from torchpulse.probes.agent.after_import import _FINDER, AfterImport
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support import REPO, local_agent
-from torchpulse.probes.agent import Agent
+from torchpulse.probes.agent.agent import Agent
 from torchpulse.probes.optimizer import OptimizerProbe
 
 
@@ -201,7 +201,7 @@ def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> No
     result = _run(
         """
         import os, torch, torchpulse
-        from torchpulse.probes.api import current_agent
+        from torchpulse.probes.attach import current_agent
         parent = torchpulse.attach()
         pid = os.fork()
         if pid == 0:
@@ -354,7 +354,7 @@ def test_a_probe_failing_on_the_agent_thread_leaves_hook_tables_alone() -> None:
 
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
-    from torchpulse.probes.base import mark_agent_thread
+    from torchpulse.probes.agent.threads import mark_agent_thread
 
     before = len(_global_optimizer_post_hooks)
     agent = _agent()

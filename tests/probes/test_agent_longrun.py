@@ -16,7 +16,7 @@ from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
 # twice MAX_FRAME_BYTES; one more event is larger than a frame on its own.
 BIG_BATCH_JOB = """
 import torch, torchpulse
-from torchpulse.probes.api import current_agent
+from torchpulse.probes.attach import current_agent
 torchpulse.attach(probes=("optimizer",))
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -17,8 +17,8 @@ from tests.probes.autograd_support import (
     passes,
     tiny_transformer,
 )
-from torchpulse.probes.autograd_config import AutogradConfig
-from torchpulse.probes.store import OTHER
+from torchpulse.probes.agent.store import OTHER
+from torchpulse.probes.autograd.config import AutogradConfig
 
 ORIGINAL_RUN_BACKWARD = torch.autograd.graph._engine_run_backward
 
@@ -144,7 +144,7 @@ def test_top_k_node_types_keep_their_label_rest_fold_into_other() -> None:
 
 def test_detach_restores_torch_and_leaves_no_hook_on_a_live_graph(monkeypatch: Any) -> None:
     """A graph built while attached and run after detach sees neither wrapper nor hooks."""
-    from torchpulse.probes.autograd_nodes import PassTimer
+    from torchpulse.probes.autograd.nodes import PassTimer
 
     calls = [0]
 
@@ -181,7 +181,7 @@ def test_detach_restores_torch_and_leaves_no_hook_on_a_live_graph(monkeypatch: A
 
 def test_probe_bug_disables_the_probe_and_never_reaches_the_job(monkeypatch: Any) -> None:
     """An error inside the probe: the pass completes, gradients are right, the error is counted."""
-    from torchpulse.probes.autograd_nonfinite import GradCheck
+    from torchpulse.probes.autograd.nonfinite import GradCheck
 
     def broken(*_args: Any) -> None:
         raise RuntimeError("probe bug")

@@ -15,7 +15,7 @@ from tests.probes.autograd_support import (
     node_values,
     tiny_transformer,
 )
-from torchpulse.probes.autograd_nodes import format_grad_outputs, iter_graph, roots_of
+from torchpulse.probes.autograd.nodes import format_grad_outputs, iter_graph, roots_of
 
 # Node hooks time the nodes, not the engine between them: on this CPU model the
 # nodes hold at least this share of a pass (measured 0.84-0.94 on an idle core).

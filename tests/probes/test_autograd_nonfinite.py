@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
-from torchpulse.probes.autograd_names import NameResolver, parameter_names
+from torchpulse.probes.autograd.names import NameResolver, parameter_names
 
 NAN_STEP = 3
 
@@ -71,7 +71,7 @@ def test_the_parameter_gauge_returns_to_zero_after_a_clean_pass() -> None:
 def test_a_job_that_stays_nan_logs_a_burst_then_one_line_a_minute_and_counts_every_pass() -> None:
     """A loss gone NaN for good: every pass counted, but the log (the daemon's journal, per rank)
     gets NONFINITE_LOG_BURST lines, then one a minute saying how many passes it left out."""
-    from torchpulse.probes import autograd
+    from torchpulse.probes.autograd import probe as autograd
 
     with autograd_agent() as agent:
         model = torch.nn.Linear(4, 2)
@@ -319,7 +319,7 @@ def test_a_new_parameter_at_a_dead_parameters_id_is_tracked(monkeypatch: Any) ->
     forced here (deterministic, unlike the allocator) and the new parameter must still be checked."""
     import builtins
 
-    from torchpulse.probes import autograd_nonfinite
+    from torchpulse.probes.autograd import nonfinite as autograd_nonfinite
 
     check = autograd_nonfinite.GradCheck(max_pending=4)
     old = torch.nn.Parameter(torch.zeros(2))

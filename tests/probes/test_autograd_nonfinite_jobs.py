@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
-from torchpulse.probes.autograd_nonfinite import GradCheck
+from torchpulse.probes.autograd.nonfinite import GradCheck
 
 
 def _run(

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from torchpulse.probes.command_line import SHOWN_COMMAND_CHARS, is_sensitive, scrub, shown_command
+from torchpulse.probes.agent.command_line import SHOWN_COMMAND_CHARS, is_sensitive, scrub, shown_command
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,9 @@ def test_the_shown_command_is_quoted_and_bounded() -> None:
 
 
 def test_the_identity_of_a_real_process_carries_the_scrubbed_command() -> None:
-    code = "import sys; from torchpulse.probes.identity import current_identity; print(current_identity({}).command)"
+    code = (
+        "import sys; from torchpulse.probes.agent.identity import current_identity; print(current_identity({}).command)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code, "--hf_token", "hf_live_secret", "--steps", "3"],
         check=True,

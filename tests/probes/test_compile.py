@@ -14,7 +14,7 @@ import torch._dynamo.utils
 from torch._dynamo.utils import counters
 
 from tests.support import local_agent
-from torchpulse.probes.compile_reasons import function_label, is_recompile_limit
+from torchpulse.probes.compile.reasons import function_label, is_recompile_limit
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 HERE = __file__

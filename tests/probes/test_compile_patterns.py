@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 from torch._logging._internal import set_logs
 
 from tests.support import local_agent
-from torchpulse.probes.compile import Compilation
-from torchpulse.probes.compile_reasons import function_label
+from torchpulse.probes.compile.probe import Compilation
+from torchpulse.probes.compile.reasons import function_label
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 HERE = __file__

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from tests.support import REPO
-from torchpulse.probes.compile_logtap import LogTap
+from torchpulse.probes.compile.logtap import LogTap
 
 # The job configures logging the way `dictConfig` does by default (disable_existing_loggers=True) after it has
 # imported torch and Dynamo: every torch logger that exists is disabled, also those the probe reads.

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from torchpulse.probes.compile_logtap import LogTap
-from torchpulse.probes.compile_reasons import (
+from torchpulse.probes.compile.logtap import LogTap
+from torchpulse.probes.compile.reasons import (
     classify_cudagraph_skip,
     classify_recompile,
     classify_rerecord,

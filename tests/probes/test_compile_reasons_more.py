@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.support import local_agent
-from torchpulse.probes.compile_reasons import classify_recompile, function_label
+from torchpulse.probes.compile.reasons import classify_recompile, function_label
 
 # Dynamo reaches into a function argument through its code, closure and defaults: a changed function is a value.
 FUNCTION_ARGUMENTS = [

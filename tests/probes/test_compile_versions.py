@@ -11,8 +11,8 @@ import torch
 import torch._dynamo.utils
 
 from tests.support import local_agent
-from torchpulse.probes.compile import Compilation, is_recompile_id
-from torchpulse.probes.compile_reasons import function_label
+from torchpulse.probes.compile.probe import Compilation, is_recompile_id
+from torchpulse.probes.compile.reasons import function_label
 from torchpulse.probes.torch_compat import features
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import local_agent, wait_for
-from torchpulse.probes.agent import Agent
+from torchpulse.probes.agent.agent import Agent
 from torchpulse.protocol import Command, CommandResult, FieldValue
 
 
@@ -279,7 +279,7 @@ def test_detaching_during_a_trace_stops_the_profiler_and_answers_everything(tmp_
             (2, False, "the agent detached before its next step boundary"),
         ] == [(r.id, r.ok, r.message) for r in agent.control.results]
     finally:
-        trace = agent.control._trace
+        trace = agent.control.traces._trace
         if trace is not None and trace.profiler is not None and _profiling():
             trace.profiler.stop()  # the unfixed agent left it running
         agent.shutdown()
@@ -463,8 +463,8 @@ def test_the_step_rate_of_a_rank_stuck_since_its_last_step_falls() -> None:
         control = agent.control
         for ago in (0.05, 10.0):
             last = time.monotonic() - ago
-            control._step_times.clear()
-            control._step_times.extend(last - 0.1 * i for i in range(9, -1, -1))
+            control.boundary._step_times.clear()
+            control.boundary._step_times.extend(last - 0.1 * i for i in range(9, -1, -1))
             agent.control.receive(Command(1, "status", {}))
         stepping, stuck = (result.data["step_rate"] for result in control.results)
         assert (10.0, True) == (stepping, isinstance(stuck, float) and 0.8 < stuck < 0.9), stuck

@@ -16,8 +16,8 @@ import pytest
 
 from tests.support import local_agent
 from torchpulse.framing import FrameReader
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.transport import Sender
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.sender import Sender
 from torchpulse.protocol import Command, CommandResult, Goodbye, decode_agent_frame, encode
 
 

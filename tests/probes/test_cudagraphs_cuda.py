@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support import local_agent
-from torchpulse.probes.compile_logtap import LogTap
+from torchpulse.probes.compile.logtap import LogTap
 from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchpulse.probes import exit_status
+from torchpulse.probes.agent import exit_status
 
 
 @pytest.fixture

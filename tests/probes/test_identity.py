@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from torchpulse.probes.identity import current_identity
+from torchpulse.probes.agent.identity import current_identity
 
 
 @pytest.fixture

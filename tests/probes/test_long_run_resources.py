@@ -24,10 +24,11 @@ import torch
 import torch._dynamo
 
 from tests.support import REPO, DaemonProcess, local_agent, select, start_daemon, wait_for
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.config import AgentConfig
-from torchpulse.probes.identity import current_identity
-from torchpulse.probes.transport import Sender
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.identity import current_identity
+from torchpulse.probes.agent.sender import Sender
+from torchpulse.probes.families import FAMILY_TABLE
 
 # A job with every probe: a compiled model whose batch changes every 100 steps (one dynamic recompile),
 # a function compiled with dynamic=False that gets a new shape every 100 steps until it hits the recompile
@@ -195,7 +196,7 @@ def test_a_sender_that_outlives_its_stop_closes_its_wake_up_pipe_when_it_ends(si
     """A detach that stops waiting for the sender (its last hello waits out the connect timeout on a hung
     daemon) leaves no descriptor behind once the thread ends: a job that attaches and detaches under a
     hung daemon would otherwise lose two each time."""
-    agent = Agent(AgentConfig(socket_path=silent_listener, connect_timeout=1.5), current_identity())
+    agent = Agent(AgentConfig(socket_path=silent_listener, connect_timeout=1.5), current_identity(), FAMILY_TABLE)
     agent.emit("info", "something to send")  # so that the agent connects
     before = _open_descriptors()
     sender = Sender(agent)

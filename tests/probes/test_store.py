@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchpulse.catalog import CATALOG
-from torchpulse.probes.store import OTHER, BoundedLabel, MetricStore
+from torchpulse.probes.agent.store import OTHER, BoundedLabel, MetricStore
 
 
 def test_counters_are_running_totals_and_changes_are_sent_once() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from tests.support import local_agent
-from torchpulse.probes.agent import Agent
-from torchpulse.probes.transport import MAX_ITEMS_PER_FRAME, Sender
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.sender import MAX_ITEMS_PER_FRAME, Sender
 
 
 def test_events_of_frames_already_sent_are_not_queued_again_when_a_later_frame_fails() -> None:

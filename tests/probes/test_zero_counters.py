@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.support import REPO, local_agent
-from torchpulse.probes.agent import DROP_REASONS
-from torchpulse.probes.autograd import PASS_KINDS
-from torchpulse.probes.compile_reasons import CUDAGRAPH_SKIP_REASONS, RERECORD_REASONS
+from torchpulse.probes.agent.agent import DROP_REASONS
+from torchpulse.probes.autograd.probe import PASS_KINDS
+from torchpulse.probes.compile.reasons import CUDAGRAPH_SKIP_REASONS, RERECORD_REASONS
 
 
 def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:

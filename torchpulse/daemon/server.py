@@ -27,7 +27,6 @@ from typing import Final
 
 import structlog
 
-import torchpulse
 from torchpulse.aio import HeldReplies, close_connection
 from torchpulse.daemon.checkpoint_announcements import Announcements
 from torchpulse.daemon.control import ControlHub, NotAuthorized, logged_ranks
@@ -55,6 +54,7 @@ from torchpulse.protocol import (
     encode,
     parse_header,
 )
+from torchpulse.version import __version__
 
 log = structlog.get_logger("torchpulse.daemon.server")
 # A peer that connects and says nothing is dropped after this long.
@@ -299,7 +299,7 @@ class AgentServer:
                         if self.on_checkpoint is not None:
                             announcements = Announcements(peer, self.on_checkpoint, self._announcing, state.log_budget)
                         state.channel, state.close, state.connection = writer.write, writer.close, connection
-                        writer.write(encode(Welcome(torchpulse.__version__)))
+                        writer.write(encode(Welcome(__version__)))
                         log.info(
                             "agent connected",
                             run=frame.run,

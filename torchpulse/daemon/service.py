@@ -15,7 +15,6 @@ from pathlib import Path
 
 import structlog
 
-import torchpulse
 from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
 from torchpulse.daemon.checkpoint_service import CheckpointService
@@ -29,6 +28,7 @@ from torchpulse.exporters.http import MetricsServer
 from torchpulse.exporters.prometheus import build_exposition
 from torchpulse.exporters.textfile import remove_textfile, write_textfile
 from torchpulse.protocol import RankStatus, RunStatus, StatusReply
+from torchpulse.version import __version__
 
 log = structlog.get_logger("torchpulse.daemon")
 HOUSEKEEPING_INTERVAL = 1.0
@@ -103,7 +103,7 @@ class Daemon:
             for run in self.registry.runs.values()
         ]
         return StatusReply(
-            daemon_version=torchpulse.__version__,
+            daemon_version=__version__,
             uptime_seconds=round(now - self.started, 3),
             pid=os.getpid(),
             events_received=self.registry.events_received,
@@ -135,7 +135,7 @@ class Daemon:
             raise
         log.info(
             "daemon ready",
-            version=torchpulse.__version__,
+            version=__version__,
             pid=os.getpid(),
             socket="inherited" if self.inherited_socket else str(daemon_cfg.socket),
             metrics=f"http://{_url_host(host)}:{self.metrics.port}/metrics",

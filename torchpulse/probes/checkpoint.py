@@ -39,12 +39,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from torchpulse.probes.base import Probe
-from torchpulse.probes.store import BoundedLabel
+from torchpulse.probes.agent.probe import Probe
+from torchpulse.probes.agent.store import BoundedLabel
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 SAVER: Final = "torch.distributed.checkpoint.state_dict_saver"
 PACKAGE: Final = "torch.distributed.checkpoint"

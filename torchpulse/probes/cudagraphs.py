@@ -27,23 +27,24 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchpulse.probes.base import Probe
-from torchpulse.probes.compile_logtap import LogTap
-from torchpulse.probes.compile_reasons import (
+from torchpulse.probes.agent.config import int_option
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.probe import Probe
+from torchpulse.probes.compile.logtap import LogTap
+from torchpulse.probes.compile.reasons import (
     CUDAGRAPH_SKIP_REASONS,
     RERECORD_REASONS,
     classify_cudagraph_skip,
     classify_rerecord,
 )
-from torchpulse.probes.config import int_option
-from torchpulse.probes.logs import get_logger
 from torchpulse.probes.optimizer import OptimizerLabels
 from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 from torchpulse.probes.torch_compat import features
+from torchpulse.protocol import FieldValue
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.probes")
 MAX_SYMINT_IDS = 4096
@@ -135,6 +136,7 @@ class _Tracked:
 
 class CudaGraphProbe(Probe):
     name = "cudagraphs"
+    commands = frozenset({"cudagraph-dump"})
 
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
@@ -386,7 +388,7 @@ class CudaGraphProbe(Probe):
             trees, nodes = trees + t, nodes + n
         return trees, nodes
 
-    def dump_state(self) -> dict[str, str | int | float | bool | None]:
+    def dump_state(self) -> dict[str, FieldValue]:
         """CUDA-graph tree state for `torchpulse ctl cudagraph-dump`; call on the training thread,
         where the (thread-local) tree manager lives."""
         managers: list[Any]

@@ -34,11 +34,11 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from torchpulse.probes.base import Probe, Removable
+from torchpulse.probes.agent.probe import Probe, Removable
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 Sizes = tuple[int, int, int]
 # Frames of these files sit between torch's step wrapper and our hook.

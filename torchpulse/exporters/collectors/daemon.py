@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-import torchpulse
 from torchpulse.daemon.registry import Registry
 from torchpulse.protocol import PROTOCOL_VERSION
+from torchpulse.version import __version__
 
 # Listed even at zero so that alerts on them have a series to watch.
 FRAME_REJECT_REASONS = (
@@ -49,7 +49,7 @@ class DaemonCollector:
         build = GaugeMetricFamily(
             "torchpulse_build_info", "torchpulse version; always 1.", labels=["version", "protocol_version"]
         )
-        build.add_metric([torchpulse.__version__, str(PROTOCOL_VERSION)], 1.0)
+        build.add_metric([__version__, str(PROTOCOL_VERSION)], 1.0)
         yield build
         yield GaugeMetricFamily(
             "torchpulse_daemon_start_time_seconds", "Unix time the daemon started.", value=self.started_at

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torchpulse
 from torchpulse.catalog import HISTOGRAM_BOUNDS
 from torchpulse.framing import FrameReader
 from torchpulse.paths import socket_path_too_long
 from torchpulse.peer import daemon_uids, peer_credentials
-from torchpulse.probes.logs import get_logger
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.threads import mark_agent_thread
 from torchpulse.protocol import (
     Batch,
     Command,
@@ -43,9 +43,10 @@ from torchpulse.protocol import (
     encode,
     utf8,
 )
+from torchpulse.version import __version__
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.agent")
 # Items per frame: keeps usual frames far below MAX_FRAME_BYTES (larger ones are halved, see _encode).
@@ -157,8 +158,6 @@ class Sender(threading.Thread):
 
     # -- the thread ---------------------------------------------------------
     def run(self) -> None:
-        from torchpulse.probes.base import mark_agent_thread
-
         mark_agent_thread()
         next_flush = time.monotonic() + self.config.flush_interval
         while not self._stop_event.is_set():
@@ -356,7 +355,7 @@ class Sender(threading.Thread):
             pid=ident.pid,
             host=utf8(ident.host),
             torch_version=torch_version,
-            agent_version=torchpulse.__version__,
+            agent_version=__version__,
             command=utf8(ident.command),
             started_at=PROCESS_STARTED_AT,
             histogram_bounds=HISTOGRAM_BOUNDS,

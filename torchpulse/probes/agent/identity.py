@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from torchpulse.probes.command_line import shown_command
+from torchpulse.probes.agent.command_line import shown_command
 
 
 @dataclass(frozen=True)

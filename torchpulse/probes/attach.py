@@ -3,31 +3,23 @@
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from torchpulse.probes import exit_status
-from torchpulse.probes.config import AgentConfig, OptionError
-from torchpulse.probes.identity import current_identity
-from torchpulse.probes.logs import get_logger
+from torchpulse.probes.agent import exit_status
+from torchpulse.probes.agent.agent import Agent
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.identity import current_identity
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.families import FAMILY_TABLE
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
-    from torchpulse.probes.base import Probe
-    from torchpulse.probes.store import MetricStore
+    from torchpulse.probes.agent.store import MetricStore
 
 log = get_logger("torchpulse.agent")
 
-# Probe name -> "module:Class"; imported only when enabled.
-PROBES: dict[str, str] = {
-    "optimizer": "torchpulse.probes.optimizer:OptimizerProbe",
-    "compile": "torchpulse.probes.compile:CompileProbe",
-    "cudagraphs": "torchpulse.probes.cudagraphs:CudaGraphProbe",
-    "autograd": "torchpulse.probes.autograd:AutogradProbe",
-    "checkpoint": "torchpulse.probes.checkpoint:CheckpointProbe",
-}
+# Oldest torch the probes attach to (with a logged reason per missing feature below 2.10).
 MIN_TORCH = (2, 4)
 
 _lock = threading.Lock()
@@ -82,17 +74,16 @@ def attach(
         agent_config = AgentConfig.from_env(
             env, socket_path=socket, probes=tuple(probes) if probes is not None else None, **config
         )
-        from torchpulse.probes.agent import Agent
-
         identity = current_identity(env)
         previous = _previous_store
         agent = Agent(
             agent_config,
             identity,
+            FAMILY_TABLE,
             previous[1] if previous is not None and previous[0] == (os.getpid(), identity.run, identity.rank) else None,
         )
         for name in agent_config.probes:
-            probe = _make_probe(name, agent)
+            probe = FAMILY_TABLE.make(name, agent)
             if probe is not None:
                 probe.install()
                 agent.probes[name] = probe
@@ -105,24 +96,6 @@ def attach(
             atexit.register(_at_exit)
             _fork_hook_registered = True
         return agent
-
-
-def _make_probe(name: str, agent: Agent) -> Probe | None:
-    target = PROBES.get(name)
-    if target is None:
-        log.warning("unknown probe; skipped", probe=name, known=",".join(sorted(PROBES)))
-        return None
-    module_name, _, class_name = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        probe: Probe = cls(agent)
-    except OptionError as exc:
-        log.warning("probe option invalid; probe skipped", probe=name, error=str(exc))
-        return None
-    except Exception as exc:
-        log.warning("probe unavailable on this torch; skipped", probe=name, error=repr(exc))
-        return None
-    return probe
 
 
 def detach() -> None:

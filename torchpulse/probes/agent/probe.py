@@ -4,42 +4,38 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 import traceback
 import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from torchpulse.probes.after_import import AfterImport
-from torchpulse.probes.logs import get_logger
+from torchpulse.probes.agent.after_import import AfterImport
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.threads import enter_hook, inside_hook, leave_hook, on_agent_thread
+from torchpulse.probes.torch_compat.dynamo import disable_tracing
+from torchpulse.protocol import FieldValue
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.probes")
 F = TypeVar("F", bound=Callable[..., Any])
 # An agent event field holds at most 4096 characters (agent.MAX_FIELD_CHARS); keep the traceback's end.
 MAX_TRACEBACK_CHARS = 4000
-_depth = threading.local()
-
-
-def inside_hook() -> bool:
-    """True while this thread runs one of our hooks, i.e. while torch iterates a hook table."""
-    return getattr(_depth, "value", 0) > 0
-
-
-def mark_agent_thread() -> None:
-    """Called by the agent's own thread: probes failing there must not touch hook tables."""
-    _depth.agent_thread = True
-
-
-def _on_agent_thread() -> bool:
-    return bool(getattr(_depth, "agent_thread", False))
 
 
 class Removable(Protocol):
     def remove(self) -> None: ...
+
+
+class ProbeFactory(Protocol):
+    """Makes probes by family name: the agent core's only view of the families (`probes/families.py`)."""
+
+    @property
+    def known(self) -> frozenset[str]: ...
+
+    def make(self, name: str, agent: Agent) -> Probe | None: ...
 
 
 class ProbeHandle:
@@ -56,6 +52,9 @@ class Probe:
     """Base class: subclasses implement `_install` and register handles with `_keep`."""
 
     name: ClassVar[str] = "probe"
+    # The control commands this probe answers besides enable/disable (`ctl sample`, `ctl autograd-log`,
+    # `ctl cudagraph-dump`): each overrides the matching method below.
+    commands: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -85,7 +84,7 @@ class Probe:
             self._handle = None
             self._uninstalled()
             self.agent.record_quiet(self._set_enabled_gauge, 0.0)
-        if inside_hook() or _on_agent_thread():
+        if inside_hook() or on_agent_thread():
             # Removing a hook while torch loops over its hook dict raises
             # "OrderedDict mutated during iteration" in the job, and from the
             # agent's thread the training thread may be looping over it right
@@ -110,6 +109,23 @@ class Probe:
         self._finalizers.clear()
 
     def _install(self) -> None:
+        raise NotImplementedError
+
+    # -- what control commands ask of a probe that lists them in `commands` -------
+    def status(self) -> dict[str, object]:
+        """Plain values for `torchpulse status`."""
+        return {}
+
+    def set_sample_every(self, every: int) -> None:
+        """`ctl sample`: time one pass in `every` (0: none)."""
+        raise NotImplementedError
+
+    def log_next_passes(self, passes: int) -> None:
+        """`ctl autograd-log`: log every node of the next `passes` passes."""
+        raise NotImplementedError
+
+    def dump_state(self) -> dict[str, FieldValue]:
+        """`ctl cudagraph-dump`: the probe's view of the job's state."""
         raise NotImplementedError
 
     def _uninstalled(self) -> None:
@@ -189,19 +205,17 @@ class Probe:
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if not (self.enabled and agent.enabled):
                 return None
-            _depth.value = getattr(_depth, "value", 0) + 1
+            enter_hook()
             try:
                 return hook(*args, **kwargs)
             except Exception as exc:  # probe bugs must never reach the job
                 self.fail(exc)
                 return None
             finally:
-                _depth.value -= 1
+                leave_hook()
 
         if not traceable:
             return guarded  # type: ignore[return-value]
-        from torchpulse.probes.torch_compat.dynamo import disable_tracing
-
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.
         return disable_tracing(guarded)  # type: ignore[return-value]

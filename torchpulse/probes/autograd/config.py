@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torchpulse.probes.config import OptionError, option_variable, parse_int_option
+from torchpulse.probes.agent.config import OptionError, option_variable, parse_int_option
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})

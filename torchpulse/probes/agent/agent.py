@@ -12,16 +12,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
-from torchpulse.probes.config import AgentConfig
-from torchpulse.probes.identity import Identity
-from torchpulse.probes.logs import get_logger
-from torchpulse.probes.store import MetricStore
+from torchpulse.probes.agent.config import AgentConfig
+from torchpulse.probes.agent.control import Control
+from torchpulse.probes.agent.identity import Identity
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.probe import Probe, ProbeFactory
+from torchpulse.probes.agent.sender import Sender
+from torchpulse.probes.agent.store import MetricStore
 from torchpulse.protocol import FieldValue, LogEvent
 
 log = get_logger("torchpulse.agent")
-Record = tuple[Callable[..., None], tuple[Any, ...]]
+Record = tuple[Callable[..., None], tuple[object, ...]]
 # Keeps one hostile recompile reason from filling a frame.
 MAX_FIELD_CHARS = 4096
 # The `reason` values of agent_events_dropped_total, in the order `_sync_drop_counters` reads them.
@@ -38,9 +40,13 @@ def _cut(fields: dict[str, FieldValue]) -> dict[str, FieldValue]:
 class Agent:
     """One per process; created by `torchpulse.attach()`."""
 
-    def __init__(self, config: AgentConfig, identity: Identity, store: MetricStore | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, identity: Identity, families: ProbeFactory, store: MetricStore | None = None
+    ) -> None:
         self.config = config
         self.identity = identity
+        # What `ctl enable NAME` makes probes with (the core never imports a family itself).
+        self.families = families
         self.pid = os.getpid()
         # Read on every hook call; cleared on detach and in forked children.
         self.enabled = True
@@ -49,7 +55,7 @@ class Agent:
         # At 0 from the first batch on, so that rate() sees the first drops (the sender thread that
         # owns the store does not exist yet).
         self.store.start_at_zero("agent_events_dropped_total", tuple((reason,) for reason in DROP_REASONS))
-        self.probes: dict[str, Any] = {}
+        self.probes: dict[str, Probe] = {}
         self._buffer: deque[Record] = deque()
         # The agent's own bookkeeping (probe enabled, probe errors): sent, but
         # not a sign that this process trains, so it does not make it connect.
@@ -63,28 +69,24 @@ class Agent:
         self._requested: deque[LogEvent] = deque()
         self._event_drops = 0
         self._oversized_drops = 0
-        self._sender: Any = None
+        self._sender: Sender | None = None
         # After shutdown: no thread of ours touches the store any more (it may be handed to a next agent).
         self.stopped = False
         # Set once a probe recorded something. Processes that import torch but
         # never train (torchrun's launcher, spawned workers) never connect.
         self.active = False
-        # Completed steps of the first optimizer: the step number commands use.
-        self.step = 0
-        from torchpulse.probes.control import Control
-
         self.control = Control(self)
         self._lock = threading.Lock()
 
     # -- hot path -----------------------------------------------------------
-    def record(self, handler: Callable[..., None], *payload: Any) -> None:
+    def record(self, handler: Callable[..., None], *payload: object) -> None:
         """Queue `handler(*payload)` for the sender thread; drop (counted) when full."""
         if len(self._buffer) < self._capacity:
             self._buffer.append((handler, payload))
         else:
             self._buffer_drops += 1
 
-    def record_quiet(self, handler: Callable[..., None], *payload: Any) -> None:
+    def record_quiet(self, handler: Callable[..., None], *payload: object) -> None:
         """Like `record`, for bookkeeping that alone must not make the process connect."""
         if len(self._quiet) < self._capacity:
             self._quiet.append((handler, payload))
@@ -162,6 +164,11 @@ class Agent:
         self._oversized_drops += 1
 
     @property
+    def step(self) -> int:
+        """Completed steps of the job's main optimizer: the step number commands use."""
+        return self.control.step
+
+    @property
     def dropped_total(self) -> int:
         return self._buffer_drops + self._event_drops + self._oversized_drops
 
@@ -171,8 +178,6 @@ class Agent:
 
     # -- lifecycle ----------------------------------------------------------
     def start(self) -> None:
-        from torchpulse.probes.transport import Sender
-
         with self._lock:
             if self._sender is None:
                 self._sender = Sender(self)

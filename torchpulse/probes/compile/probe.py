@@ -15,23 +15,23 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from torchpulse.probes.base import Probe
-from torchpulse.probes.compile_logtap import LogTap
-from torchpulse.probes.compile_reasons import (
+from torchpulse.probes.agent.config import int_option
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.probe import Probe
+from torchpulse.probes.agent.store import BoundedLabel
+from torchpulse.probes.compile.logtap import LogTap
+from torchpulse.probes.compile.reasons import (
     classify_recompile,
     function_label,
     is_recompile_limit,
     parse_graph_break,
     short_path,
 )
-from torchpulse.probes.config import int_option
-from torchpulse.probes.logs import get_logger
-from torchpulse.probes.store import BoundedLabel
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 from torchpulse.probes.torch_compat import features
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.probes")
 DEFAULT_TOP_K = 20

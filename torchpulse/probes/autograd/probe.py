@@ -26,9 +26,12 @@ import torch.autograd
 import torch.autograd.graph
 
 from torchpulse.bounds import TokenBucket
-from torchpulse.probes.autograd_config import AutogradConfig
-from torchpulse.probes.autograd_names import NameResolver
-from torchpulse.probes.autograd_nodes import (
+from torchpulse.probes.agent.logs import get_logger
+from torchpulse.probes.agent.probe import Probe
+from torchpulse.probes.agent.store import BoundedLabel
+from torchpulse.probes.autograd.config import AutogradConfig
+from torchpulse.probes.autograd.names import NameResolver
+from torchpulse.probes.autograd.nodes import (
     MAX_GRAPH_DEPTH,
     NodeTime,
     PassTimer,
@@ -37,15 +40,12 @@ from torchpulse.probes.autograd_nodes import (
     iter_graph,
     roots_of,
 )
-from torchpulse.probes.autograd_nonfinite import CheckResult, GradCheck, merge
-from torchpulse.probes.base import Probe
-from torchpulse.probes.logs import get_logger
-from torchpulse.probes.store import BoundedLabel
+from torchpulse.probes.autograd.nonfinite import CheckResult, GradCheck, merge
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 from torchpulse.probes.torch_compat import features
 
 if TYPE_CHECKING:
-    from torchpulse.probes.agent import Agent
+    from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.probes")
 
@@ -101,6 +101,7 @@ class SampledPass:
 
 class AutogradProbe(Probe):
     name = "autograd"
+    commands = frozenset({"sample", "autograd-log"})
 
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
@@ -132,17 +133,17 @@ class AutogradProbe(Probe):
         self.last_sample: SampledPass | None = None
 
     # -- live control (applied at the next pass boundary) -------------------
-    def set_sample_every(self, n: int) -> None:
-        """Time the nodes of every `n`th pass from the next pass on; 0 switches timing off."""
-        if n < 0:
+    def set_sample_every(self, every: int) -> None:
+        """Time the nodes of every `every`th pass from the next pass on; 0 switches timing off."""
+        if every < 0:
             raise ValueError("sample_every must be >= 0")
-        self._control["sample_every"] = n
+        self._control["sample_every"] = every
 
-    def log_next_passes(self, n: int) -> None:
-        """Emit one structured event per executed node for the next `n` passes."""
-        if n < 0:
-            raise ValueError("log_next_passes needs n >= 0")
-        self._control["log_passes"] = n
+    def log_next_passes(self, passes: int) -> None:
+        """Emit one structured event per executed node for the next `passes` passes."""
+        if passes < 0:
+            raise ValueError("log_next_passes needs passes >= 0")
+        self._control["log_passes"] = passes
 
     def _apply_control(self) -> None:
         # pop() is atomic, so a request arriving from the control thread meanwhile is kept.

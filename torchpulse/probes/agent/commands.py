@@ -10,8 +10,9 @@ ever.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
-from torchpulse.probes import trace_capture
+from torchpulse.probes.agent import trace_capture
 from torchpulse.protocol import CALLER_UID_ARG, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE, Command
 
 
@@ -19,21 +20,20 @@ class CommandFailed(Exception):
     """A command that cannot be done; its text is what the user sees."""
 
 
-def check_arguments(command: Command) -> int | None:
+def check_arguments(command: Command, probes: Collection[str]) -> int | None:
     """Raise CommandFailed naming the first bad argument of a command applied at a step boundary.
 
     A trace's directory is opened here, once, and returned (the caller keeps or closes it): the
     trace is written into the directory checked now, and the training thread never waits on it.
+    `probes` are the probe names this agent knows.
     """
-    from torchpulse.probes.api import PROBES
-
     args, name = command.args, command.name
     if name in ("enable", "disable", "sample"):
         probe = args.get("probe")
         if not isinstance(probe, str) or not probe:
             raise CommandFailed("missing argument: probe")
-        if probe not in PROBES:
-            raise CommandFailed(f"unknown probe {probe[:64]!r} (known: {', '.join(sorted(PROBES))})")
+        if probe not in probes:
+            raise CommandFailed(f"unknown probe {probe[:64]!r} (known: {', '.join(sorted(probes))})")
     if name == "sample":
         rate = args.get("rate")
         if (
