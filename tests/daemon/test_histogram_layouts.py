@@ -112,7 +112,7 @@ def test_an_agent_says_how_it_buckets_each_histogram_and_its_daemon_keeps_them_a
     from torchpulse.probes.families import FAMILY_TABLE
 
     agent = Agent(AgentConfig(socket_path=tmp_path / "agent.sock", probes=()), current_identity(), FAMILY_TABLE)
-    hello = decode_agent_frame(encode(Sender(agent)._hello())[8:])
+    hello = decode_agent_frame(encode(Sender(agent).link.hello())[8:])
     assert isinstance(hello, Hello)
     assert HISTOGRAM_BOUNDS == hello.histogram_bounds and len(HISTOGRAM_BOUNDS) >= 5
     assert {} == plan_for(hello.histogram_bounds)

@@ -55,7 +55,7 @@ def test_a_forked_child_holds_neither_the_daemon_connection_nor_the_wake_pipe(da
         model(torch.randn(1, 2)).sum().backward(); opt.step()
         assert agent.flush(10)
         sender = agent._sender
-        ours = {os.fstat(fd).st_ino for fd in (sender._sock.fileno(), sender._wake_r, sender._wake_w)}
+        ours = {os.fstat(fd).st_ino for fd in (sender.link.sock.fileno(), sender._wake_r, sender._wake_w)}
         pid = os.fork()
         if pid == 0:
             held = set()

@@ -80,7 +80,7 @@ def test_a_batch_larger_than_a_frame_is_sent_in_halves_and_an_item_larger_than_a
 
 
 def test_a_daemon_restarted_again_and_again_costs_the_job_a_bounded_number_of_stderr_lines(tmp_path: Path) -> None:
-    """Five daemon restarts under one job: the first three outages (transport.FREE_UNREACHABLE_NOTES) are
+    """Five daemon restarts under one job: the first three outages (connection.FREE_UNREACHABLE_NOTES) are
     each one line and a reconnect line, the later ones none; the job reconnects after every one and ends
     with exit status 0."""
     daemon = start_daemon(tmp_path)

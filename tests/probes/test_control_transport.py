@@ -30,11 +30,11 @@ def wired() -> Iterator[tuple[Agent, Sender, socket.socket]]:
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
     theirs.settimeout(5)
-    sender._sock = ours
+    sender.link.sock = ours
     try:
         yield agent, sender, theirs
     finally:
-        sender._close()
+        sender.link.close()
         theirs.close()
         agent.shutdown()
 
@@ -59,7 +59,7 @@ def test_an_answer_that_cannot_be_encoded_is_still_answered_on_the_same_connecti
     [answer] = _answers(daemon, 1)
     assert (5, False) == (answer.id, answer.ok)
     assert answer.message.startswith("internal error: answer not encodable")
-    assert sender._sock is not None
+    assert sender.link.sock is not None
 
 
 FLOOD = """
@@ -97,8 +97,8 @@ def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
 
     draining = threading.Thread(target=drain, daemon=True)
     draining.start()
-    assert sender._sock is not None
-    select.select([sender._sock], [], [], 10)
+    assert sender.link.sock is not None
+    select.select([sender.link.sock], [], [], 10)
     time.sleep(0.2)  # the socket buffer is full before the sender reads
     done = threading.Event()
     reading = threading.Thread(target=lambda: (sender._read_incoming(), done.set()), daemon=True)
@@ -108,7 +108,7 @@ def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
         assert 0 == len(agent.control.results), "every answer went out"
     finally:
         stop.set()
-        sender._close()  # the flood's next send fails and it exits
+        sender.link.close()  # the flood's next send fails and it exits
         flood.wait(30)
         for thread in (draining, reading):
             thread.join(10)
@@ -122,9 +122,9 @@ def test_a_reconnect_for_a_new_world_size_keeps_the_rank_and_one_for_a_new_rank_
     alone it would give the rank up for a moment, to any other process claiming it."""
     agent, sender, daemon_end = wired
     monkeypatch.setattr(agent, "identity", dataclasses.replace(agent.identity, env_rank=1, env_world_size=4))
-    monkeypatch.setattr(sender, "_connect", lambda: None)
-    sender._hello_identity = was
-    sender._rehello()
+    monkeypatch.setattr(sender.link, "connect", lambda: None)
+    sender.link.hello_identity = was
+    sender.link.rehello()
     received = b""
     while chunk := daemon_end.recv(65536):  # until the sender closed its end to reconnect
         received += chunk

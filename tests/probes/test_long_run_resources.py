@@ -57,7 +57,7 @@ def snapshot():
     with open("/proc/self/status") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
     store = agent.store
-    connected = agent._sender._sock is not None  # the one descriptor that comes and goes with the daemon
+    connected = agent._sender.link.sock is not None  # the one descriptor that comes and goes with the daemon
     return {"rss_kb": rss, "fds": len(os.listdir("/proc/self/fd")) - connected, "threads": threading.active_count(),
             "finalizers": len(weakref.finalize._registry), "series": len(store._values) + len(store._histograms),
             "queued": agent.buffer_fill + len(agent._events)}

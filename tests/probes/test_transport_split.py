@@ -6,7 +6,8 @@ import os
 
 from tests.support import local_agent
 from torchpulse.probes.agent.agent import Agent
-from torchpulse.probes.agent.sender import MAX_ITEMS_PER_FRAME, Sender
+from torchpulse.probes.agent.batches import MAX_ITEMS_PER_FRAME
+from torchpulse.probes.agent.sender import Sender
 
 
 def test_events_of_frames_already_sent_are_not_queued_again_when_a_later_frame_fails() -> None:
@@ -20,7 +21,7 @@ def test_events_of_frames_already_sent_are_not_queued_again_when_a_later_frame_f
         sent.append(frame)
         return len(sent) == 1
 
-    sender._send_frame = first_frame_only  # type: ignore[method-assign]
+    sender.link.send_frame = first_frame_only  # type: ignore[method-assign]
     agent.store.take_changes()  # the agent's counters at 0, sent earlier: this batch is events only
     try:
         for i in range(MAX_ITEMS_PER_FRAME + 500):
