@@ -12,7 +12,7 @@ from itertools import pairwise
 import pytest
 
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.checkpoint_stats import DURATION_BUCKETS
+from torchpulse.daemon.checkpoints.stats import DURATION_BUCKETS
 
 # (shortest, longest) duration in seconds a family sees in real jobs.
 REALISTIC: dict[str, tuple[float, float]] = {

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import require_tool
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.checkpoint_stats import CheckpointStats, DurationHistogram
+from torchpulse.daemon.checkpoints.stats import CheckpointStats, DurationHistogram
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.exporters.prometheus import build_exposition

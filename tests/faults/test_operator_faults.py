@@ -16,10 +16,10 @@ import pytest
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy, run_service
 from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
-from torchpulse.daemon import checkpoint_runner
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.checkpoint_state import DB_NAME
+from torchpulse.daemon.checkpoints import runner as checkpoint_runner
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.service import CheckpointService
+from torchpulse.daemon.checkpoints.state import DB_NAME
 from torchpulse.protocol import StatusRequest, encode
 
 # A config an editor saved in Latin-1 ("é" is byte 0xe9), and one nested past Python's recursion limit.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support import REPO, local_agent
-from torchpulse.daemon.checkpoint_announcements import announcement_refused
+from torchpulse.daemon.checkpoints.announcements import announcement_refused
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 dcp = pytest.importorskip("torch.distributed.checkpoint")

@@ -196,7 +196,7 @@ def test_sample_config_covers_every_key_the_daemon_reads() -> None:
     """A key added to the config classes must appear in the sample (set, or in a comment for rare ones)."""
     import dataclasses
 
-    from torchpulse.daemon.checkpoint_config import CheckpointsConfig
+    from torchpulse.daemon.checkpoints.config import CheckpointsConfig
     from torchpulse.daemon.config import DaemonSection, RunsSection
 
     text = (UNITS / "torchpulse.toml").read_text()

@@ -16,9 +16,9 @@ import pytest
 
 from tests.checkpoints.conftest import SAVE_SCRIPT, run_ranks
 from tests.support import DaemonProcess
-from torchpulse.daemon import checkpoint_runner
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig
-from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoints import runner as checkpoint_runner
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig
+from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.demo import crash_an_overwrite
 
 if TYPE_CHECKING:

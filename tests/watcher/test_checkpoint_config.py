@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig, parse
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig, parse
 from torchpulse.daemon.config import ConfigError, from_mapping
 
 

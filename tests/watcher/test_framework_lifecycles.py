@@ -21,8 +21,8 @@ import torch
 from structlog.testing import capture_logs
 
 from tests.watcher.conftest import commit_copy, idle, rewrite_a_shard, run_service
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.protocol import CheckpointSaved
 
 pytestmark = pytest.mark.slow

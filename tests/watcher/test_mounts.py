@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, fs_type_of, parse_mountinfo
+from torchpulse.daemon.checkpoints.mounts import Mount, choose_observer, fs_type_of, parse_mountinfo
 
 MOUNTINFO = """\
 22 1 0:21 / / rw,relatime - ext4 /dev/vda rw

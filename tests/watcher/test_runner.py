@@ -14,7 +14,7 @@ import pytest
 from torchpulse.checkpoints.model import Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.validate import MAX_FINDINGS_PER_RULE
 from torchpulse.checkpoints.worker import Limits
-from torchpulse.daemon import checkpoint_runner
+from torchpulse.daemon.checkpoints import runner as checkpoint_runner
 
 MIB = 1 << 20
 

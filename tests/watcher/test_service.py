@@ -14,10 +14,10 @@ import pytest
 from tests.watcher.conftest import commit_copy, idle, rewrite_a_shard, run_service
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
-from torchpulse.daemon import checkpoint_runner
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_scan import metadata_key
-from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon.checkpoints import runner as checkpoint_runner
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.scan import metadata_key
+from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.protocol import CheckpointSaved
 
@@ -353,7 +353,7 @@ def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
 def test_a_state_database_from_before_the_ttl_keeps_its_announced_roots(tmp_path: Path) -> None:
     import sqlite3
 
-    from torchpulse.daemon.checkpoint_state import DB_NAME, StateStore
+    from torchpulse.daemon.checkpoints.state import DB_NAME, StateStore
 
     old = sqlite3.connect(tmp_path / DB_NAME)
     old.execute("CREATE TABLE announced_roots (path TEXT PRIMARY KEY, added_at REAL NOT NULL)")
@@ -374,7 +374,7 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
     tmp_path: Path, saved_checkpoint: Path, worker: FakeWorker
 ) -> None:
     """The state file follows the job's retention; the newest and newest valid records restore series."""
-    from torchpulse.daemon.checkpoint_state import StateStore
+    from torchpulse.daemon.checkpoints.state import StateStore
 
     root = tmp_path / "root"
     steps = [root / f"step-{n}" for n in range(1, 5)]

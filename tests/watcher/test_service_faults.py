@@ -20,13 +20,15 @@ from watchdog.observers import inotify_c
 
 from tests.watcher.conftest import run_service
 from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
-from torchpulse.daemon import checkpoint_roots, checkpoint_service, watcher
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_mounts import Mount
-from torchpulse.daemon.checkpoint_scan import deleted, metadata_key, scan
-from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.checkpoint_state import StateStore
-from torchpulse.daemon.watcher import Watcher, WatchEvent
+from torchpulse.daemon.checkpoints import roots as checkpoint_roots
+from torchpulse.daemon.checkpoints import service as checkpoint_service
+from torchpulse.daemon.checkpoints import watcher
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.mounts import Mount
+from torchpulse.daemon.checkpoints.scan import deleted, metadata_key, scan
+from torchpulse.daemon.checkpoints.service import CheckpointService
+from torchpulse.daemon.checkpoints.state import StateStore
+from torchpulse.daemon.checkpoints.watcher import Watcher, WatchEvent
 from torchpulse.protocol import CheckpointSaved
 
 # Deeper than watchdog's recursive walks go (the recursion limit, in a fresh thread).
@@ -555,7 +557,7 @@ def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
 ) -> None:
     """The watch-limit hook uses watchdog 7's private InotifyWatchGroup: if its shape differs, the root is
     watched by watchdog's own start (a commit is still seen at once) and the lost hook is said once."""
-    from torchpulse.daemon import watcher as watcher_module
+    from torchpulse.daemon.checkpoints import watcher as watcher_module
 
     def other_shape(*_args: object, **_kwargs: object) -> None:
         raise TypeError("__init__() got an unexpected keyword argument 'follow_symlink'")

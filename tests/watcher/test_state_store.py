@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 
 from tests.watcher.conftest import run_service
 from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.checkpoint_state import DB_NAME, Record, StateStore
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.service import CheckpointService
+from torchpulse.daemon.checkpoints.state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CheckpointSaved
 
 PAGE = 4096  # sqlite's default page size: page 1 holds the header and the schema

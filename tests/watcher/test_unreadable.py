@@ -19,9 +19,9 @@ from tests.support import DaemonProcess, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy, file_modes_bind, run_service, shut_out
 from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
 from tests.watcher.test_service_faults import _events
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoint_service import CheckpointService
-from torchpulse.daemon.watcher import unreadable
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.service import CheckpointService
+from torchpulse.daemon.checkpoints.watcher import unreadable
 
 UNREADABLE = "checkpoint root cannot be read"
 READABLE_AGAIN = "checkpoint root can be read again; watching it"

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import structlog
 
-from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
+from torchpulse.daemon import logs, systemd
+from torchpulse.daemon.checkpoints import config as checkpoint_config
 from torchpulse.daemon.config import ConfigError
 from torchpulse.daemon.server import raise_descriptor_limit
 from torchpulse.daemon.service import Daemon

@@ -28,7 +28,7 @@ from typing import Final
 import structlog
 
 from torchpulse.aio import HeldReplies, close_connection
-from torchpulse.daemon.checkpoint_announcements import Announcements
+from torchpulse.daemon.checkpoints.announcements import Announcements
 from torchpulse.daemon.control import ControlHub, NotAuthorized, logged_ranks
 from torchpulse.daemon.log_settings import LOG_LEVELS
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut

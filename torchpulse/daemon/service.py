@@ -15,9 +15,10 @@ from pathlib import Path
 
 import structlog
 
-from torchpulse.daemon import checkpoint_config, logs, systemd
 from torchpulse.daemon import config as config_module
-from torchpulse.daemon.checkpoint_service import CheckpointService
+from torchpulse.daemon import logs, systemd
+from torchpulse.daemon.checkpoints import config as checkpoint_config
+from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.config import Config, ConfigError, Overrides, parse_listen
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.offloop import off_loop

@@ -13,7 +13,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from torchpulse.daemon.checkpoint_stats import DURATION_BUCKETS, STATUSES, CheckpointStats
+from torchpulse.daemon.checkpoints.stats import DURATION_BUCKETS, STATUSES, CheckpointStats
 
 
 class CheckpointCollector:

@@ -32,11 +32,11 @@ import structlog
 
 from torchpulse.checkpoints.model import Level, ValidationResult
 from torchpulse.checkpoints.worker import Limits
-from torchpulse.daemon import checkpoint_runner
-from torchpulse.daemon.checkpoint_config import CheckpointsConfig
-from torchpulse.daemon.checkpoint_mounts import Mount, read_mounts
-from torchpulse.daemon.checkpoint_roots import SETTLE_SECONDS, RootWatches, log_crash
-from torchpulse.daemon.checkpoint_scan import (
+from torchpulse.daemon.checkpoints import runner as checkpoint_runner
+from torchpulse.daemon.checkpoints.config import CheckpointsConfig
+from torchpulse.daemon.checkpoints.mounts import Mount, read_mounts
+from torchpulse.daemon.checkpoints.roots import SETTLE_SECONDS, RootWatches, log_crash
+from torchpulse.daemon.checkpoints.scan import (
     Scan,
     Uncommitted,
     deleted,
@@ -45,10 +45,10 @@ from torchpulse.daemon.checkpoint_scan import (
     scan,
     uncommitted,
 )
-from torchpulse.daemon.checkpoint_state import Record, StateStore
-from torchpulse.daemon.checkpoint_stats import CheckpointStats
+from torchpulse.daemon.checkpoints.state import Record, StateStore
+from torchpulse.daemon.checkpoints.stats import CheckpointStats
+from torchpulse.daemon.checkpoints.watcher import Watcher, WatchEvent
 from torchpulse.daemon.offloop import off_loop
-from torchpulse.daemon.watcher import Watcher, WatchEvent
 from torchpulse.protocol import CheckpointSaved
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")

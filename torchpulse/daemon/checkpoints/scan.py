@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from torchpulse.checkpoints.model import DATA_SUFFIXES
-from torchpulse.daemon.watcher import is_metadata_name
+from torchpulse.daemon.checkpoints.watcher import is_metadata_name
 
 # Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked.
 MAX_DEPTH: Final = 4

@@ -48,9 +48,9 @@ try:  # watchdog >= 7: watch groups on one shared inotify instance
 except ImportError:  # older ones raise the limit at the first walk, and ignore it for new subdirectories
     InotifyWatchGroup = None  # type: ignore[assignment,misc]
 
-from torchpulse.daemon.checkpoint_mounts import Mount, choose_observer, read_mounts
+from torchpulse.daemon.checkpoints.mounts import Mount, choose_observer, read_mounts
 
-log = structlog.get_logger("torchpulse.daemon.watcher")
+log = structlog.get_logger("torchpulse.daemon.checkpoints.watcher")
 EventKind = Literal["commit", "root_deleted", "backend_error"]
 # Blocking read timeout of the inotify threads; bounds how long stop() waits.
 INOTIFY_TIMEOUT: Final = 0.5

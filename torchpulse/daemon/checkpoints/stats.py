@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Final
 
-from torchpulse.daemon.checkpoint_state import FindingCounts, Record
+from torchpulse.daemon.checkpoints.state import FindingCounts, Record
 
 STATUSES: Final = ("valid", "invalid", "incomplete", "error")
 # Metadata-only runs take ~0.1 s; data-level reads of 100 GB shards take many minutes.

@@ -19,8 +19,8 @@ from typing import Final
 
 import structlog
 
+from torchpulse.daemon.checkpoints.watcher import Outcome, Watcher
 from torchpulse.daemon.offloop import off_loop
-from torchpulse.daemon.watcher import Outcome, Watcher
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
 # How long start and a sweep wait for the watch operations they started. One
