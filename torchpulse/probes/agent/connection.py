@@ -53,7 +53,6 @@ class DaemonLink:
         self._unreachable_notes = 0
         self._last_unreachable_note = 0.0
         self.gave_up = False
-        self.connected_once = False
         # (rank, world size) the daemon was told in the hello of the open connection.
         self.hello_identity: tuple[int, int] | None = None
         self._refusals_warned: set[str] = set()
@@ -112,7 +111,6 @@ class DaemonLink:
             log.warning("reconnected to the daemon; counters continue from their running totals", socket=path)
         self._warned_unreachable = False
         self._refusals_warned.clear()
-        self.connected_once = True
 
     def _trusted_daemon(self, sock: socket.socket, path: str) -> bool:
         """Whether the listener is a daemon the job may talk to; checked before the hello, which

@@ -38,7 +38,9 @@ class StepBoundary:
     by `ctl enable optimizer`.
     """
 
-    def __init__(self, enabled: Callable[[], bool], wanted: Callable[[], bool], on_boundary: Callable[[], None]):
+    def __init__(
+        self, enabled: Callable[[], bool], wanted: Callable[[], bool], on_boundary: Callable[[], None]
+    ) -> None:
         self._enabled = enabled
         self._wanted = wanted
         self._on_boundary = on_boundary
