@@ -236,13 +236,13 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
     async def body(service: CheckpointService) -> None:
         await _until(lambda: 1 == len(worker.calls))
         service.apply_config(CheckpointsConfig(roots=(RootConfig(str(kept), "inotify"),), debounce_seconds=0.0))
-        await _until(lambda: 0 == worker.running and not service._pending)
+        await _until(lambda: 0 == worker.running and not service.queue.pending)
         await asyncio.sleep(0.3)
         assert [str(dropped / "step-2")] == worker.calls  # the newest first, the others were queued
         assert [str(kept)] == list(service.stats.roots)  # neither the dropped root nor "other"
-        assert service._store is not None
+        assert service.store is not None
         # Remembered: should the root come back, that checkpoint is not validated again.
-        assert service._store.key_of(str(dropped / "step-2")) is not None
+        assert service.store.key_of(str(dropped / "step-2")) is not None
 
     run_service(tmp_path, config, body)
 

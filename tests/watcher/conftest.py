@@ -65,7 +65,7 @@ async def idle(service: CheckpointService, timeout: float = 20.0) -> None:
     """Until the service has nothing queued nor running (after a moment for events still in flight)."""
     await asyncio.sleep(0.1)
     deadline = asyncio.get_running_loop().time() + timeout
-    while service._in_flight or service._pending:
+    while service.queue.in_flight or service.queue.pending:
         assert asyncio.get_running_loop().time() < deadline, "the service did not settle"
         await asyncio.sleep(0.02)
 

@@ -85,7 +85,7 @@ def test_hugging_face_and_plain_torch_files_are_neither_incomplete_nor_broken(tm
         for _ in range(3):
             await service.sweep()
         await asyncio.sleep(0.3)  # a validation would have started by now
-        await _until(lambda: not service._in_flight and not service._pending)
+        await _until(lambda: not service.queue.in_flight and not service.queue.pending)
         assert ({}, 0, None) == (
             _validations(service, root),
             service.stats.root(str(root)).incomplete,
@@ -115,7 +115,7 @@ def test_retention_deleting_an_old_checkpoint_is_not_an_incomplete_save(tmp_path
             await service.sweep()
             assert 0 == service.stats.root(str(root)).incomplete
             await asyncio.sleep(0.2)
-        await _until(lambda: not service._in_flight and not service._pending)
+        await _until(lambda: not service.queue.in_flight and not service.queue.pending)
         shutil.rmtree(old)
         await service.sweep()
         assert ({"valid": 1}, "valid", 0) == (
@@ -139,13 +139,13 @@ def test_shards_rewritten_in_place_while_validated_report_nothing_until_the_save
 
     async def body(service: CheckpointService) -> None:
         commit_copy(saved_checkpoint, ckpt)
-        await _until(lambda: bool(service._in_flight))
+        await _until(lambda: bool(service.queue.in_flight))
         for shard in shards:  # the worker is still starting (importing torch): it reads the new shards
             shutil.copyfile(shard, ckpt / shard.name)
-        await _until(lambda: not service._in_flight)
+        await _until(lambda: not service.queue.in_flight)
         await service.sweep()  # finds the checkpoint: its metadata was never validated to the end
         await asyncio.sleep(0.1)
-        await _until(lambda: not service._in_flight and not service._pending)
+        await _until(lambda: not service.queue.in_flight and not service.queue.pending)
         assert ({}, None) == (_validations(service, root), service.stats.root(str(root)).last_status)
         shutil.copyfile(saved_checkpoint / ".metadata", ckpt / ".metadata.tmp")
         (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the save commits
@@ -207,7 +207,7 @@ def test_a_latest_symlink_on_a_polled_root_is_not_a_second_checkpoint(tmp_path: 
             (root / "latest.tmp").replace(root / "latest")
             await _until(lambda n=step: _validations(service, root) == {"valid": n})  # type: ignore[misc]
         await asyncio.sleep(0.5)
-        await _until(lambda: not service._in_flight and not service._pending)
+        await _until(lambda: not service.queue.in_flight and not service.queue.pending)
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)

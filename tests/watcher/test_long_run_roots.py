@@ -17,8 +17,9 @@ from structlog.testing import capture_logs
 from tests.support import DaemonProcess, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.log_once import MAX_LOGGED_ONCE
 from torchpulse.daemon.checkpoints.scan import metadata_key
-from torchpulse.daemon.checkpoints.service import MAX_LOGGED_ONCE, CheckpointService
+from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT, Batch, CheckpointSaved, Goodbye, Hello, LogEvent, encode
 
@@ -204,19 +205,19 @@ def test_a_sweep_reads_a_roots_records_in_one_query(tmp_path: Path) -> None:
         service = CheckpointService(config, tmp_path / "state")
         await service.start()
         try:
-            while not service._scans:  # the start's own sweep: waited for, so that it asks nothing below
+            while not service.sweeps.scans:  # the start's own sweep: waited for, so that it asks nothing below
                 await asyncio.sleep(0.01)
-            await asyncio.gather(*service._scans.values())
-            if service._prune_task is not None:  # the start's prune too: it reads the table as well
-                await service._prune_task
-            assert service._store is not None
+            await asyncio.gather(*service.sweeps.scans.values())
+            if service.sweeps.prune_task is not None:  # the start's prune too: it reads the table as well
+                await service.sweeps.prune_task
+            assert service.store is not None
             statements: list[str] = []
-            service._store._db.set_trace_callback(statements.append)
-            task = service._start_scan(str(root))
+            service.store._db.set_trace_callback(statements.append)
+            task = service.sweeps.start_scan(str(root))
             assert task is not None
             await task
-            service._store._db.set_trace_callback(None)
-            assert (1, {}) == (len(statements), service._pending)
+            service.store._db.set_trace_callback(None)
+            assert (1, {}) == (len(statements), service.queue.pending)
         finally:
             await service.close()
 

@@ -21,10 +21,11 @@ from watchdog.observers import inotify_c
 from tests.watcher.conftest import run_service
 from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon.checkpoints import roots as checkpoint_roots
-from torchpulse.daemon.checkpoints import service as checkpoint_service
+from torchpulse.daemon.checkpoints import sweeps as checkpoint_sweeps
 from torchpulse.daemon.checkpoints import watcher
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.mounts import Mount
+from torchpulse.daemon.checkpoints.root_set import RootSet
 from torchpulse.daemon.checkpoints.scan import deleted, metadata_key, scan
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.state import StateStore
@@ -132,10 +133,10 @@ def test_an_exception_in_announce_never_reaches_the_agent_server(
     tmp_path: Path, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body(service: CheckpointService) -> None:
-        def broken(path: str) -> str | None:
+        def broken(self: RootSet, path: str) -> str | None:
             raise RuntimeError("bug")
 
-        monkeypatch.setattr(service, "_root_of", broken)
+        monkeypatch.setattr(RootSet, "root_of", broken)
         service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
 
     with capture_logs() as logs:
@@ -195,8 +196,8 @@ async def _swept_until_watched(service: CheckpointService, root: str, timeout: f
     """Sweeps (each re-watches lost roots) until `root` is polled again; a sweep waits for a watch
     operation only for a while, so one sweep may not be enough on a loaded machine."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while service._watcher is None or service._watcher.watched() != {root: "polling"}:
-        assert asyncio.get_running_loop().time() < deadline, service._watcher and service._watcher.watched()
+    while service.watcher is None or service.watcher.watched() != {root: "polling"}:
+        assert asyncio.get_running_loop().time() < deadline, service.watcher and service.watcher.watched()
         await service.sweep()
         await asyncio.sleep(0.1)
 
@@ -212,9 +213,9 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
     )
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
+        assert service.watcher is not None
         # The polling emitter walks in its own thread: the watch is lost once that walk fails.
-        await _until(lambda: service._watcher is not None and {} == service._watcher.watched(), timeout=60)
+        await _until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
         await service.sweep()
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
@@ -236,11 +237,11 @@ def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
     )
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
+        assert service.watcher is not None
         (root / "deep").mkdir()
         _deep_tree(root / "deep")
         # Walking 1000 levels takes seconds on a loaded machine (the whole suite on 2 cores).
-        await _until(lambda: service._watcher is not None and {} == service._watcher.watched(), timeout=60)
+        await _until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
         _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
@@ -299,10 +300,10 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
     hung.mkdir()
     good.mkdir()
     release = threading.Event()
-    monkeypatch.setattr(checkpoint_service, "SETTLE_SECONDS", 0.3)  # scans
+    monkeypatch.setattr(checkpoint_sweeps, "SETTLE_SECONDS", 0.3)  # scans
     monkeypatch.setattr(checkpoint_roots, "SETTLE_SECONDS", 0.3)  # watch operations
     snapshot = watcher._SafePollingEmitter.on_thread_start
-    real_scan = checkpoint_service.scan
+    real_scan = checkpoint_sweeps.scan
 
     def hanging_snapshot(self: watcher._SafePollingEmitter) -> None:
         if self.watch.path == str(hung):
@@ -315,7 +316,7 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
         return real_scan(root)
 
     monkeypatch.setattr(watcher._SafePollingEmitter, "on_thread_start", hanging_snapshot)
-    monkeypatch.setattr(checkpoint_service, "scan", hanging_scan)
+    monkeypatch.setattr(checkpoint_sweeps, "scan", hanging_scan)
     config = CheckpointsConfig(
         roots=(RootConfig(str(hung), "polling"), RootConfig(str(good), "polling")),
         poll_interval_seconds=0.1,
@@ -329,8 +330,8 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
         beat = asyncio.create_task(_heartbeat(gaps))
         try:
             await asyncio.wait_for(service.start(), 5)
-            assert service._watcher is not None
-            assert {str(good): "polling"} == service._watcher.watched()
+            assert service.watcher is not None
+            assert {str(good): "polling"} == service.watcher.watched()
             service.apply_config(CheckpointsConfig(roots=config.roots, poll_interval_seconds=0.2, debounce_seconds=0.0))
             _tiny_checkpoint(tmp_path / "job" / "step-1")
             service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
@@ -338,7 +339,7 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
             for _ in range(3):
                 await asyncio.wait_for(service.sweep(), 5)
             await _until(lambda: len(worker.calls) == 2)
-            assert {str(good): "polling", str(tmp_path / "job"): "inotify"} == service._watcher.watched()
+            assert {str(good): "polling", str(tmp_path / "job"): "inotify"} == service.watcher.watched()
             started = time.monotonic()
             await service.sweep()  # the hung root's operations are old now: not waited for again
             assert time.monotonic() - started < 0.25
@@ -361,8 +362,8 @@ def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        assert service._store is not None
-        service._store._db.execute("PRAGMA query_only=ON")  # a full or read-only state filesystem
+        assert service.store is not None
+        service.store._db.execute("PRAGMA query_only=ON")  # a full or read-only state filesystem
         await _until(lambda: len(worker.calls) == 3)
         for _ in range(3):
             await service.sweep()
@@ -381,18 +382,18 @@ def test_a_fallback_to_polling_survives_sighup_until_the_root_observer_changes(
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)  # auto: inotify here
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
-        assert {str(root): "inotify"} == service._watcher.watched()
+        assert service.watcher is not None
+        assert {str(root): "inotify"} == service.watcher.watched()
         service._on_watch_event(WatchEvent("backend_error", str(root), str(root), "inotify watch limit reached"))
         await service.sweep()
-        assert {str(root): "polling"} == service._watcher.watched()
+        assert {str(root): "polling"} == service.watcher.watched()
         service.apply_config(config)  # SIGHUP, nothing changed
         service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))  # a new announced root
         await service.sweep()
-        assert "polling" == service._watcher.watched()[str(root)]
+        assert "polling" == service.watcher.watched()[str(root)]
         service.apply_config(CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0))
         await service.sweep()
-        assert "inotify" == service._watcher.watched()[str(root)]
+        assert "inotify" == service.watcher.watched()[str(root)]
 
     run_service(tmp_path, config, body)
 
@@ -410,8 +411,8 @@ def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
-        assert {str(root): "polling"} == service._watcher.watched()
+        assert service.watcher is not None
+        assert {str(root): "polling"} == service.watcher.watched()
         _tiny_checkpoint(root / "step-1")
         await _until(lambda: len(worker.calls) == 1)
 
@@ -454,13 +455,13 @@ def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
+        assert service.watcher is not None
         await _until(lambda: len(worker.calls) == existing)
         await asyncio.sleep(0.2)  # the first sweep's scan is over
         for step in range(3):
             _tiny_checkpoint(root / f"step-{step}")
             await _until(functools.partial(worker.called, existing + step + 1))
-        assert {str(root): "polling"} == service._watcher.watched()
+        assert {str(root): "polling"} == service.watcher.watched()
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
@@ -482,8 +483,8 @@ def test_a_symlinked_root_into_an_nfs_mount_is_polled(tmp_path: Path, worker: Fa
         service = CheckpointService(config, tmp_path / "state", mounts=mounts)
         await service.start()
         try:
-            assert service._watcher is not None
-            assert {str(link): "polling"} == service._watcher.watched()
+            assert service.watcher is not None
+            assert {str(link): "polling"} == service.watcher.watched()
             assert [str(link)] == service.roots()  # the label stays the configured path
         finally:
             await service.close()
@@ -569,11 +570,11 @@ def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), poll_interval_seconds=0.1, debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        assert service._watcher is not None
+        assert service.watcher is not None
         await asyncio.sleep(0.2)  # the first sweep's scan is over; the next is 60 s away
         _tiny_checkpoint(root / "step-0")
         await _until(functools.partial(worker.called, 1))
-        assert {str(root): "inotify"} == service._watcher.watched()
+        assert {str(root): "inotify"} == service.watcher.watched()
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)

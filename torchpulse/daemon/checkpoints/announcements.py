@@ -26,7 +26,7 @@ import structlog
 
 from torchpulse.bounds import TokenBucket
 from torchpulse.daemon.checkpoints.mounts import fs_type_of, read_mounts
-from torchpulse.daemon.checkpoints.service import normalize
+from torchpulse.daemon.checkpoints.paths import normalize
 from torchpulse.daemon.logs import cut
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.registry import Peer
