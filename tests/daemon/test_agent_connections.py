@@ -17,10 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, DaemonProcess, read_daemon_frame, rejected_frames, select, start_daemon, wait_for
+from torchpulse.daemon import frames as frames_module
 from torchpulse.daemon import server as server_module
 from torchpulse.daemon.client import request_status, send_ctl
+from torchpulse.daemon.connections import ConnectionTable
 from torchpulse.daemon.control import ControlHub
-from torchpulse.daemon.registry import Peer, Registry
+from torchpulse.daemon.peercred import Peer
+from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.server import AgentServer
 from torchpulse.protocol import (
     HEADER,
@@ -304,19 +307,21 @@ def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
     peers parking half-sent 600 KiB frames never hold more than the budget, and an agent's small
     batches pass meanwhile."""
     monkeypatch.setattr(server_module, "AGENT_IDLE_TIMEOUT", 0.5)
-    monkeypatch.setattr(server_module, "MAX_BUFFERED_BYTES", 1 << 20)
+    monkeypatch.setattr(frames_module, "MAX_BUFFERED_BYTES", 1 << 20)
     path = tmp_path / "agent.sock"
 
     async def main() -> None:
         registry = Registry()
-        agents = AgentServer(registry, lambda: StatusReply("x", 0.0, 0, 0, {}, []), ControlHub(registry, lambda: ""))
+        links = ConnectionTable()
+        status = StatusReply("x", 0.0, 0, 0, {}, [])
+        agents = AgentServer(registry, links, lambda: status, ControlHub(registry, links, lambda: ""))
         await agents.start(path)
         most = 0
 
         async def watch() -> None:
             nonlocal most
             while True:
-                most = max(most, agents._buffered)
+                most = max(most, agents._frames._buffered)
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.create_task(watch())
@@ -435,12 +440,12 @@ def test_a_process_that_detaches_and_attaches_again_is_no_longer_exited() -> Non
     run, _ = registry.connect(_hello("re", 0, 1), None)
     _, rank = registry.connect(_hello("re", 1, 2), None)
     registry.goodbye(rank)
-    registry.disconnect(run, rank, rank.connection)
+    registry.disconnect(run, rank, owned=True)
     registry.connect(_hello("re", 1, 2), None)
     assert ([], []) == registry.prune(time.monotonic() + 60)
     assert (True, False) == (run.ranks[1].connected, run.ranks[1].exited)
     registry.goodbye(run.ranks[1])
-    registry.disconnect(run, run.ranks[1], run.ranks[1].connection)
+    registry.disconnect(run, run.ranks[1], owned=True)
     assert ([], [("re", 1)]) == registry.prune(time.monotonic() + 60)
     assert [0] == list(run.ranks)
 
@@ -454,42 +459,34 @@ def test_a_run_that_lost_a_rank_stays_down_for_the_lost_grace_period_and_comes_b
         run, rank = registry.connect(_hello(name, 0, 1), None)
         if says_goodbye:
             registry.goodbye(rank)
-        registry.disconnect(run, rank, rank.connection)
+        registry.disconnect(run, rank, owned=True)
     now = time.monotonic()
     assert (["done"], []) == registry.prune(now + 301)
     assert ([], []) == registry.prune(now + 3599)
     assert ["crashed"] == list(registry.runs)
     run, rank = registry.connect(_hello("crashed", 0, 2), None)  # the job restarted: up again
     assert (True, False) == (rank.connected, run.lost_a_rank)
-    registry.disconnect(run, rank, rank.connection)
+    registry.disconnect(run, rank, owned=True)
     for name in ("a", "b"):  # max_runs 3 reached with two more: the next new run needs room
         registry.goodbye(registry.connect(_hello(name, 0, 3), None)[1])
-        registry.disconnect(registry.runs[name], registry.runs[name].ranks[0], 0)
+        registry.disconnect(registry.runs[name], registry.runs[name].ranks[0], owned=True)
     registry.connect(_hello("new", 0, 4), None)
     assert {"crashed", "b", "new"} == set(registry.runs), "the cleanly ended run made room, not the crashed one"
 
 
 def test_a_goodbye_gives_the_rank_up_to_another_live_process_with_the_old_series_forgotten() -> None:
     """Registry alone: the rank's connection is still open after its goodbye and its process still runs,
-    yet another process's hello takes the rank over (the old connection is closed) with empty series."""
+    yet another process's hello takes the rank over with empty series (the agent server closes the old
+    connection: see test_a_rank_given_up_with_a_goodbye_goes_to_another_process_while_its_connection_lingers)."""
     registry = Registry()
     alive = Peer(os.getpid(), os.getuid(), os.getgid())
     run, leaving = registry.connect(_hello("bye", 0, pid=100), alive)
-    closed: list[int] = []
-    leaving.close = lambda: closed.append(100)
     registry.apply(run, leaving, Batch(1, 0.0, [Sample("optimizer_steps_total", ("SGD#0",), 7.0)], [], []))
     registry.goodbye(leaving)
     _, taker = registry.connect(_hello("bye", 0, pid=200), alive)
     assert taker is run.ranks[0] and taker is not leaving
-    assert (True, False, 200, {}, 0, [100]) == (
-        taker.connected,
-        taker.exited,
-        taker.hello.pid,
-        taker.values,
-        run.series,
-        closed,
-    )
-    registry.disconnect(run, leaving, leaving.connection)  # the old connection's close changes nothing
+    assert (True, False, 200, {}, 0) == (taker.connected, taker.exited, taker.hello.pid, taker.values, run.series)
+    registry.disconnect(run, leaving, owned=True)  # the old connection's close changes nothing: not current
     assert (True, None, 1) == (taker.connected, run.ended_at, registry.connections)
 
 
@@ -498,9 +495,9 @@ def test_making_room_for_a_rank_forgets_an_exited_rank_before_a_crashed_one() ->
     goes before a crashed rank, whose agent_up 0 is what the down alert is firing on."""
     registry = Registry(max_ranks_per_run=2)
     run, crashed = registry.connect(_hello("room", 0, 1), None)
-    registry.disconnect(run, crashed, crashed.connection)  # no goodbye: down
+    registry.disconnect(run, crashed, owned=True)  # no goodbye: down
     _, finished = registry.connect(_hello("room", 1, 2), None)
     registry.goodbye(finished)
-    registry.disconnect(run, finished, finished.connection)
+    registry.disconnect(run, finished, owned=True)
     registry.connect(_hello("room", 2, 3), None)
     assert [0, 2] == sorted(run.ranks)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support import DaemonProcess, reload_config, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
-from torchpulse.daemon.registry import EVENT_LOG_BURST, NODE_LOG_EVENT
+from torchpulse.daemon.connections import EVENT_LOG_BURST, NODE_LOG_EVENT
 from torchpulse.protocol import Batch, Goodbye, Hello, LogEvent, Sample, StatusRequest, encode
 
 SUPPRESSED = "agent log events suppressed: this rank sends more than the daemon writes"

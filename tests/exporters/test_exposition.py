@@ -169,6 +169,6 @@ def test_a_new_process_with_the_same_pid_and_host_starts_from_empty_series() -> 
     registry.apply(run, rank, Batch(1, 0.0, [Sample("grad_nonfinite_parameters", (), 3.0)], [], []))
     _, same = registry.connect(HELLO, None)
     kept = dict(same.values)
-    registry.disconnect(run, same, same.connection)  # the old process died: its connection closed
+    registry.disconnect(run, same, owned=True)  # the old process died: its connection closed
     _, restarted = registry.connect(replace(HELLO, started_at=HELLO.started_at + 60.0), None)
     assert ({("grad_nonfinite_parameters", ()): 3.0}, {}, 0) == (kept, dict(restarted.values), run.series)

@@ -32,8 +32,10 @@ import torch
 from tests.support import REPO, DaemonProcess, as_user, free_port, local_agent, send_raw, start_daemon, wait_for
 from torchpulse import cli
 from torchpulse.daemon.client import DaemonUnavailable, request_status, send_ctl
+from torchpulse.daemon.connections import AgentLink, ConnectionTable
 from torchpulse.daemon.control import ControlHub, NotAuthorized
-from torchpulse.daemon.registry import Peer, Registry
+from torchpulse.daemon.peercred import Peer
+from torchpulse.daemon.registry import Registry
 from torchpulse.exporters import textfile
 from torchpulse.framing import FrameReader
 from torchpulse.probes.agent.agent import Agent
@@ -246,9 +248,9 @@ def test_a_run_is_its_users_only_while_every_rank_remembered_is_theirs() -> None
     registry.connect(_hello("unknown", 0), mine)
     registry.connect(_hello("unknown", 1), None)
     run, gone = registry.connect(_hello("remembered", 0), Peer(pid=2, uid=4243, gid=4243))
-    registry.disconnect(run, gone, gone.connection)
+    registry.disconnect(run, gone, owned=True)
     registry.connect(_hello("remembered", 1), mine)
-    hub = ControlHub(registry, lambda: "")
+    hub = ControlHub(registry, ConnectionTable(), lambda: "")
 
     def answer(run: str) -> str:
         try:
@@ -272,10 +274,11 @@ def test_the_agent_learns_who_asks_for_a_trace_whatever_the_client_claims() -> N
     registry = Registry()
     _, state = registry.connect(_hello("traced", 0), Peer(pid=1, uid=4242, gid=4242))
     sent: list[bytes] = []
-    state.channel = sent.append
+    links = ConnectionTable()
+    links.claim(state, AgentLink(1, sent.append, lambda: None))
     caller = Peer(pid=2, uid=os.geteuid(), gid=os.getegid())  # the daemon's own user may send commands
     claim = {"steps": 1, "out": "/tmp", "start_step": 5, CALLER_UID_ARG: os.geteuid() + 1}
-    asyncio.run(ControlHub(registry, lambda: "").handle(CtlRequest("traced", [0], "trace", claim, 0.1), caller))
+    asyncio.run(ControlHub(registry, links, lambda: "").handle(CtlRequest("traced", [0], "trace", claim, 0.1), caller))
     assert os.geteuid() == _command_sent(sent[0]).args[CALLER_UID_ARG]
 
 

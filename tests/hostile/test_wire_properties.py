@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tests.support import parse_exposition
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.registry import MAX_LABEL_CHARS, Registry
+from torchpulse.daemon.ingest import MAX_LABEL_CHARS
+from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.collectors.series import AgentSeriesCollector
 from torchpulse.framing import FrameReader
 from torchpulse.protocol import (

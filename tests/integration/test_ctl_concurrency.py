@@ -12,8 +12,10 @@ from pathlib import Path
 
 from tests.integration.test_ctl import _ctl, _jobs, _stop, _wait_connected
 from tests.support import REPO, DaemonProcess, sigint_as_at_a_terminal, wait_for
+from torchpulse.daemon.connections import AgentLink, ConnectionTable
 from torchpulse.daemon.control import ControlHub
-from torchpulse.daemon.registry import Peer, Registry
+from torchpulse.daemon.peercred import Peer
+from torchpulse.daemon.registry import Registry
 from torchpulse.protocol import HEADER, Command, CtlRequest, Hello, decode_daemon_frame
 
 
@@ -186,7 +188,7 @@ def test_right_after_a_start_a_command_waits_for_a_run_it_may_have_but_not_for_m
     for more ranks than a run may hold here returns at once (each poll would walk them all: a 4 MiB request
     names about 800,000)."""
     registry = Registry(max_ranks_per_run=4)
-    hub = ControlHub(registry, lambda: "")
+    hub = ControlHub(registry, ConnectionTable(), lambda: "")
 
     def waited(ranks: list[int] | None) -> float:
         started = time.monotonic()
@@ -202,11 +204,12 @@ def test_a_command_is_on_every_rank_connection_before_the_hub_first_waits() -> N
     tasks of their own, started a loop pass later: a client gone in between (Ctrl-C right after its "command
     received" line) had its command reach no rank, while the log said ranks might still apply it."""
     registry = Registry()
-    hub = ControlHub(registry, lambda: "")
+    links = ConnectionTable()
+    hub = ControlHub(registry, links, lambda: "")
     written: dict[int, list[bytes]] = {0: [], 1: []}
     for rank in (0, 1):
         _run, state = registry.connect(Hello("r", rank, 0, 2, 4242, "h", "2.13.0", "0.1.0", "test", 0.0), None)
-        state.channel, state.connection = written[rank].append, rank + 1
+        links.claim(state, AgentLink(rank + 1, written[rank].append, lambda: None))
 
     async def cancelled_at_first_wait() -> list[int]:
         reached: list[int] = []

@@ -16,7 +16,7 @@ import msgspec
 
 from tests.support import REPO, DaemonProcess, send_raw, start_daemon, wait_for
 from torchpulse.aio import close_connection
-from torchpulse.daemon.server import WRITE_TIMEOUT
+from torchpulse.daemon.writes import WRITE_TIMEOUT
 from torchpulse.protocol import (
     HEADER,
     MAGIC,

@@ -29,8 +29,11 @@ from typing import Final
 
 import structlog
 
+from torchpulse.daemon.connections import ConnectionTable
 from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
-from torchpulse.daemon.registry import Peer, RankState, Registry, RunState
+from torchpulse.daemon.peercred import Peer
+from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.runs import RankState, RunState
 from torchpulse.protocol import (
     CALLER_UID_ARG,
     MAX_COMMAND_TIMEOUT,
@@ -142,8 +145,9 @@ def logged_ranks(ranks: list[int] | None) -> list[int] | str | None:
 
 
 class ControlHub:
-    def __init__(self, registry: Registry, control_group: Callable[[], str]) -> None:
+    def __init__(self, registry: Registry, links: ConnectionTable, control_group: Callable[[], str]) -> None:
         self.registry = registry
+        self._links = links  # the agent server's: which connection speaks for each rank
         self.control_group = control_group
         self._ids = itertools.count(secrets.randbelow(COMMAND_ID_RANGE) + 1)
         # Command id -> (the rank it went to, that rank's connection, the answer to come).
@@ -309,15 +313,16 @@ class ControlHub:
         """Write one command to the rank's connection, or the result that says why it could not be."""
         if state is None:
             return RankResult(rank, "not_connected", "no such rank in this run", {})
-        if not state.connected or state.channel is None:
+        link = self._links.link(state)
+        if not state.connected or link is None:
             return RankResult(rank, "not_connected", "rank is not connected", {})
         command_id = next(self._ids)
         future: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
         try:
-            state.channel(encode(Command(command_id, name, args)))
+            link.send(encode(Command(command_id, name, args)))
         except (ConnectionError, RuntimeError) as exc:
             return RankResult(rank, "failed", f"could not send: {exc}", {})
-        self._waiting[command_id] = (state, state.connection, future)
+        self._waiting[command_id] = (state, link.id, future)
         return _Sent(state, rank, name, args, command_id, future)
 
     async def _answer(

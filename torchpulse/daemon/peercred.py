@@ -1,13 +1,14 @@
-"""Who is on the other end of a Unix socket (SO_PEERCRED, SO_PEERGROUPS)."""
+"""Who is on the other end of a Unix socket (SO_PEERCRED, SO_PEERGROUPS), and whether that process still runs."""
 
 from __future__ import annotations
 
 import array
 import ctypes
 import errno
+import os
 import socket
+from dataclasses import dataclass
 
-from torchpulse.daemon.registry import Peer
 from torchpulse.peer import peer_credentials
 
 # Not exported by Python's socket module; Linux >= 4.13.
@@ -15,6 +16,32 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 # CPython's getsockopt() refuses a buffer over 1024 bytes ("buflen out of range"): 256 groups.
 _PY_GETSOCKOPT_MAX = 1024
 _NGROUPS_MAX = 65536  # Linux's limit on supplementary groups
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int] = frozenset()
+
+
+def still_running(peer: Peer | None) -> bool:
+    """Whether the process that opened a connection still exists (pid from SO_PEERCRED, in our namespace).
+
+    A connection outlives its process where a forked child inherited the socket (a DataLoader
+    worker of a crashed rank): then a restarted rank takes over. Unknown (no peer credentials,
+    a pid from another namespace): assume it runs.
+    """
+    if peer is None or peer.pid <= 0:
+        return True
+    try:
+        os.kill(peer.pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process, alive
+        return True
+    return True
 
 
 def _peergroups_past_python_limit(fd: int) -> bytes | None:

@@ -20,6 +20,7 @@ from torchpulse.daemon import logs, systemd
 from torchpulse.daemon.checkpoints import config as checkpoint_config
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.config import Config, ConfigError, Overrides, parse_listen
+from torchpulse.daemon.connections import ConnectionTable
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.registry import Registry
@@ -68,8 +69,11 @@ class Daemon:
         self.exposition = build_exposition(
             self.registry, extra=[CheckpointCollector(self.checkpoints.stats, self.checkpoints.state_persistent)]
         )
-        self.control = ControlHub(self.registry, lambda: self.config.daemon.control_group)
-        self.agents = AgentServer(self.registry, self.status, self.control, on_checkpoint=self.checkpoints.announce)
+        links = ConnectionTable()
+        self.control = ControlHub(self.registry, links, lambda: self.config.daemon.control_group)
+        self.agents = AgentServer(
+            self.registry, links, self.status, self.control, on_checkpoint=self.checkpoints.announce
+        )
         self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.runs import RunsView
 from torchpulse.exporters.collectors import NamedCollector
 from torchpulse.exporters.collectors.agents import AgentsCollector
 from torchpulse.exporters.collectors.daemon import DaemonCollector
@@ -91,5 +91,5 @@ class Exposition:
         return b"".join(chunks)
 
 
-def build_exposition(registry: Registry, extra: Sequence[NamedCollector | TextCollector] = ()) -> Exposition:
+def build_exposition(registry: RunsView, extra: Sequence[NamedCollector | TextCollector] = ()) -> Exposition:
     return Exposition([DaemonCollector(registry), AgentsCollector(registry), AgentSeriesCollector(registry), *extra])

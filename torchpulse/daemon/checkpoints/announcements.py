@@ -29,7 +29,7 @@ from torchpulse.daemon.checkpoints.mounts import fs_type_of, read_mounts
 from torchpulse.daemon.checkpoints.paths import normalize
 from torchpulse.daemon.logs import cut
 from torchpulse.daemon.offloop import off_loop
-from torchpulse.daemon.registry import Peer
+from torchpulse.daemon.peercred import Peer
 from torchpulse.protocol import CheckpointSaved, LogEvent, checkpoint_saved
 
 log = structlog.get_logger("torchpulse.daemon.server")  # the logger these lines always had

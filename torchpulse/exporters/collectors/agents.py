@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.runs import RunsView
 
 
 class AgentsCollector:
     name = "agents"
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: RunsView) -> None:
         self.registry = registry
 
     def collect(self) -> Iterator[Metric]:

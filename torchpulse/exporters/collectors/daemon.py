@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from torchpulse.daemon.registry import Registry
+from torchpulse.daemon.runs import RunsView
 from torchpulse.protocol import PROTOCOL_VERSION
 from torchpulse.version import __version__
 
@@ -40,7 +40,7 @@ SERIES_REJECT_REASONS = (
 class DaemonCollector:
     name = "daemon"
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: RunsView) -> None:
         self.registry = registry
         self.started_at = time.time()
 

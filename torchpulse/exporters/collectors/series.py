@@ -2,7 +2,7 @@
 
 This is the one collector whose size grows with the fleet (64 runs x 8 ranks
 is tens of thousands of samples), so it renders text format 0.0.4 directly:
-each series' `name{labels}` prefix is built once and cached on the rank, and
+each series' `name{labels}` prefix is built once and cached per rank, and
 a scrape only formats values. prometheus_client's generic path cost ~8 µs a
 sample here, which put a 512-rank scrape at 600 ms.
 """
@@ -10,13 +10,14 @@ sample here, which put a 512-rank scrape at 600 ms.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from itertools import accumulate
 
 from prometheus_client.utils import floatToGoString
 
 from torchpulse.catalog import CATALOG, Family
-from torchpulse.daemon.registry import RankState, Registry, SeriesKey
+from torchpulse.daemon.runs import RankState, RunsView, SeriesKey
 
 Prefix = str | tuple[str, ...]
 
@@ -58,19 +59,25 @@ def _header(family: Family) -> str:
 class AgentSeriesCollector:
     name = "agent_series"
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: RunsView) -> None:
         self.registry = registry
+        # Rendered prefixes per rank; a rank's go when the registry forgets it.
+        self._prefixes: weakref.WeakKeyDictionary[RankState, dict[SeriesKey, Prefix]] = weakref.WeakKeyDictionary()
 
     def render(self) -> str:
         lines: dict[str, list[str]] = defaultdict(list)
         for run in self.registry.runs.values():
             for rank, state in run.ranks.items():
-                self._render_rank(run.name, rank, state, lines)
+                cache = self._prefixes.get(state)
+                if cache is None:
+                    cache = self._prefixes[state] = {}
+                self._render_rank(run.name, rank, state, cache, lines)
         return "".join(_header(CATALOG[name]) + "".join(body) for name, body in lines.items())
 
     @staticmethod
-    def _render_rank(run: str, rank: int, state: RankState, lines: dict[str, list[str]]) -> None:
-        cache: dict[SeriesKey, Prefix] = state.render_cache
+    def _render_rank(
+        run: str, rank: int, state: RankState, cache: dict[SeriesKey, Prefix], lines: dict[str, list[str]]
+    ) -> None:
         for key, value in state.values.items():
             prefix = cache.get(key)
             if prefix is None:
