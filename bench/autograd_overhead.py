@@ -89,8 +89,9 @@ class SelfTime:
     def __init__(self, probe: AutogradProbe, clock: Callable[[], float]) -> None:
         self.seconds = 0.0
         self.clock = clock
-        for attr in ("_begin", "_end"):
-            setattr(probe, attr, self._timed(getattr(probe, attr)))
+        engine = probe._engine  # it reads `begin` and `end` at every pass
+        engine.begin = self._timed(engine.begin)
+        engine.end = self._timed(engine.end)
 
     def restart(self) -> None:
         """From zero, after the warm-up."""

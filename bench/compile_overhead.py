@@ -42,7 +42,7 @@ from torchpulse.probes.agent.config import AgentConfig
 from torchpulse.probes.agent.identity import current_identity
 from torchpulse.probes.agent.probe import Probe
 from torchpulse.probes.compile.probe import CompileProbe
-from torchpulse.probes.cudagraphs import CudaGraphProbe
+from torchpulse.probes.cudagraphs.probe import CudaGraphProbe
 from torchpulse.probes.families import FAMILY_TABLE
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 

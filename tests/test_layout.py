@@ -197,10 +197,7 @@ def class_sizes() -> list[ClassSize]:
 
 # The classes still over the limit, with their size when it was set: each may only shrink, and leaves this
 # table when it is split. No other class may pass the limit.
-STILL_OVER: dict[str, int] = {
-    "torchpulse.probes.cudagraphs.CudaGraphProbe": 397,
-    "torchpulse.probes.autograd.probe.AutogradProbe": 357,
-}
+STILL_OVER: dict[str, int] = {}
 
 
 def test_no_class_is_over_300_lines_with_the_helpers_only_it_uses() -> None:
@@ -225,13 +222,14 @@ def test_the_daemon_keeps_its_checkpoint_half_in_a_subpackage() -> None:
 @pytest.mark.parametrize("module", ["torchpulse.probes.agent", "torchpulse.probes.torch_compat"])
 def test_the_agent_core_never_imports_a_probe_family(module: str) -> None:
     """Families register in `probes/families.py`; the core and the torch surfaces know none of them."""
-    families = {"torchpulse.probes.optimizer", "torchpulse.probes.cudagraphs", "torchpulse.probes.checkpoint"}
+    families = {"torchpulse.probes.optimizer", "torchpulse.probes.checkpoint"}
     graph = import_graph()
     core = {name for name in graph if name == module or name.startswith(module + ".")}
     reached = {target for name in core for target in graph[name]}
     family_modules = {
         name
         for name in graph
-        if name in families or name.startswith(("torchpulse.probes.autograd", "torchpulse.probes.compile"))
+        if name in families
+        or name.startswith(("torchpulse.probes.autograd", "torchpulse.probes.compile", "torchpulse.probes.cudagraphs"))
     }
     assert set() == reached & (family_modules | {"torchpulse.probes.families", "torchpulse.probes.attach"})

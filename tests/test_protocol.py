@@ -10,10 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchpulse.framing import FrameReader
+from torchpulse.limits import MAX_FRAME_BYTES
 from torchpulse.protocol import (
     HEADER,
     MAGIC,
-    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Batch,
     FrameError,

@@ -97,7 +97,7 @@ def _sample_rate(low: float) -> Callable[[str], float]:
 
 
 def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from torchpulse.protocol import MAX_COMMAND_TIMEOUT, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
+    from torchpulse.limits import MAX_COMMAND_TIMEOUT, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run", required=True, help="run to address")

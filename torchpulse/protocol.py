@@ -16,28 +16,15 @@ from typing import Final
 
 import msgspec
 
+from torchpulse.limits import MAX_FRAME_BYTES
+
 PROTOCOL_VERSION: Final = 1
 MAGIC: Final = b"TP"
 HEADER: Final = struct.Struct(">2sBBI")
 HEADER_SIZE: Final = HEADER.size
-# Large enough for a full snapshot of a busy rank, small enough that a hostile
-# length prefix cannot make the daemon allocate much.
-MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 
 FieldValue = str | int | float | bool | None
 
-# Bounds on command arguments. The agent enforces them (it is the one that
-# pays); `torchpulse ctl` checks them first so that a typo fails at once.
-# A torch.profiler trace holds every event of every traced step in the job's
-# memory until it stops, so its length is what bounds that memory.
-MAX_TRACE_STEPS: Final = 100
-# Autograd logging hooks every node of a logged pass and emits one event per node.
-MAX_LOG_PASSES: Final = 100
-# `sample RATE` times 1 pass in round(1/RATE); a longer period would never come round. RATE 0 switches
-# sampling off.
-MIN_SAMPLE_RATE: Final = 1e-6
-# How long a command may wait for its answers; longer, and a client's typo holds the daemon for days.
-MAX_COMMAND_TIMEOUT: Final = 3600.0
 # The trace argument the daemon sets on every trace command, whatever its client sent: the sender's uid
 # (SO_PEERCRED), with which the agent decides where that sender may have it write.
 CALLER_UID_ARG: Final = "caller_uid"

@@ -13,7 +13,8 @@ import pytest
 
 from tests.support import DaemonProcess, reload_config, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
-from torchpulse.daemon.connections import EVENT_LOG_BURST, NODE_LOG_EVENT
+from torchpulse.daemon.connections import NODE_LOG_EVENT
+from torchpulse.limits import EVENT_LOG_BURST
 from torchpulse.protocol import Batch, Goodbye, Hello, LogEvent, Sample, StatusRequest, encode
 
 SUPPRESSED = "agent log events suppressed: this rank sends more than the daemon writes"
@@ -89,9 +90,9 @@ def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: P
             sock.connect(str(daemon.socket_path))
             sock.sendall(encode(StatusRequest()))
             stalled.append(sock)
-        # Each reply takes the loop a moment to build: wait for all five (well inside WRITE_TIMEOUT).
+        # Each reply takes the loop a moment to build: wait for all five (well inside AGENT_SOCKET_WRITE_TIMEOUT).
         wait_for(lambda: baseline + 5 <= daemon.descriptors(), timeout=5)
-        # WRITE_TIMEOUT (10 s) and some slack for a loaded machine.
+        # AGENT_SOCKET_WRITE_TIMEOUT (10 s) and some slack for a loaded machine.
         wait_for(lambda: daemon.descriptors() <= baseline, timeout=20)
         assert 600 == len(request_status(daemon.socket_path).runs)
         for sock in stalled:

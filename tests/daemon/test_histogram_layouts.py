@@ -11,9 +11,10 @@ from structlog.testing import capture_logs
 
 from tests.support import parse_exposition, select
 from torchpulse.catalog import HISTOGRAM_BOUNDS
-from torchpulse.daemon.buckets import MAX_BOUNDS, Refused, bucket_map, plan_for, rebucket
+from torchpulse.daemon.buckets import Refused, bucket_map, plan_for, rebucket
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.prometheus import build_exposition
+from torchpulse.limits import MAX_HISTOGRAM_BOUNDS
 from torchpulse.protocol import Batch, Hello, HistogramSample, decode_agent_frame, encode
 
 COMPILE = "compile_duration_seconds"
@@ -38,7 +39,7 @@ def test_a_finer_layout_maps_each_bucket_into_the_one_that_holds_it() -> None:
         ((0.5, 1.0), "straddles the daemon's bound 2"),  # its +Inf bucket starts below our last bound
         ((2.0, 1.0), "strictly increasing"),
         ((1.0, math.nan, 2.0), "not finite"),
-        (tuple(float(i) for i in range(MAX_BOUNDS + 1)), f"at most {MAX_BOUNDS}"),
+        (tuple(float(i) for i in range(MAX_HISTOGRAM_BOUNDS + 1)), f"at most {MAX_HISTOGRAM_BOUNDS}"),
     ],
 )
 def test_a_layout_that_cannot_be_summed_exactly_is_refused_with_its_reason(agent: tuple[float, ...], why: str) -> None:

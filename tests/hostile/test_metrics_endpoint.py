@@ -19,7 +19,8 @@ import pytest
 from tests.hostile.agents import RawAgent
 from tests.support import DaemonProcess, select, wait_for
 from torchpulse.exporters import http
-from torchpulse.exporters.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_HEADER_BYTES, MetricsServer
+from torchpulse.exporters.http import MetricsServer
+from torchpulse.limits import HTTP_HEADER_TIMEOUT, HTTP_MAX_CONNECTIONS, HTTP_MAX_HEADER_BYTES
 
 
 def _steps(daemon: DaemonProcess, run: str) -> float | None:
@@ -53,7 +54,7 @@ def test_slowloris_is_cut_off_while_agents_and_scrapes_continue(daemon: DaemonPr
     seen, latencies = [], []
     started = time.monotonic()
     step = 0
-    while time.monotonic() - started < HEADER_TIMEOUT - 1:  # bounded: ends before the server's cut-off
+    while time.monotonic() - started < HTTP_HEADER_TIMEOUT - 1:  # bounded: ends before the server's cut-off
         step += 1
         agent.steps(step)
         for sock in loris:
@@ -64,7 +65,7 @@ def test_slowloris_is_cut_off_while_agents_and_scrapes_continue(daemon: DaemonPr
         latencies.append(time.perf_counter() - t0)
         seen.append(step)
         time.sleep(0.3)
-    closed = [_closed_by_server(sock, within=HEADER_TIMEOUT + 3) for sock in loris]
+    closed = [_closed_by_server(sock, within=HTTP_HEADER_TIMEOUT + 3) for sock in loris]
     for sock in loris:
         sock.close()
     agent.close()
@@ -75,7 +76,7 @@ def test_slowloris_is_cut_off_while_agents_and_scrapes_continue(daemon: DaemonPr
 def test_connection_flood_beyond_the_limit_still_lets_prometheus_in(daemon: DaemonProcess) -> None:
     """With 300 silent connections held open, a scrape is answered 200 (the oldest idle one is evicted)."""
     agent = RawAgent(daemon.socket_path, "under-flood")
-    flood = [_open(daemon) for _ in range(MAX_CONNECTIONS + 44)]
+    flood = [_open(daemon) for _ in range(HTTP_MAX_CONNECTIONS + 44)]
     try:
         agent.steps(7)
         statuses = []
@@ -114,9 +115,9 @@ def test_many_concurrent_scrapes_all_answer_and_ingest_continues(daemon: DaemonP
 
 # Each bad request, and the status it is answered with before its connection is closed.
 BAD_REQUESTS = {
-    "header_over_8k": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * MAX_HEADER_BYTES) + b"\r\n\r\n", 431),
+    "header_over_8k": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (2 * HTTP_MAX_HEADER_BYTES) + b"\r\n\r\n", 431),
     "headers_over_8k_in_all": (b"GET /metrics HTTP/1.1\r\n" + b"X-Many: 12345678\r\n" * 1000 + b"\r\n", 431),
-    "target_over_8k": (b"GET /" + b"a" * (2 * MAX_HEADER_BYTES) + b" HTTP/1.1\r\n\r\n", 414),
+    "target_over_8k": (b"GET /" + b"a" * (2 * HTTP_MAX_HEADER_BYTES) + b" HTTP/1.1\r\n\r\n", 414),
     "megabyte_without_crlf": (b"G" * (1 << 20), 400),
     "request_with_a_body": (b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", 413),
     "chunked_body": (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 413),
@@ -152,7 +153,7 @@ def test_oversized_and_malformed_requests_are_answered_then_closed(daemon: Daemo
     sock = _open(daemon)
     with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # before the fix: cut off while sending
         sock.sendall(request)
-    answer, closed = _answer(sock, within=HEADER_TIMEOUT + 2)
+    answer, closed = _answer(sock, within=HTTP_HEADER_TIMEOUT + 2)
     sock.close()
     agent.steps(3)
     wait_for(lambda: _steps(daemon, "under-bad-requests") == 3.0, timeout=5)
@@ -181,7 +182,7 @@ class _BigExposition:
 
 def test_a_client_that_stops_reading_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that pipelines scrapes but never reads is aborted after the write timeout, freeing its slot."""
-    monkeypatch.setattr(http, "WRITE_TIMEOUT", 0.5)
+    monkeypatch.setattr(http, "HTTP_WRITE_TIMEOUT", 0.5)
 
     async def scenario() -> tuple[int, int, bool, int]:
         server = MetricsServer(_BigExposition())  # type: ignore[arg-type]
@@ -193,7 +194,7 @@ def test_a_client_that_stops_reading_is_cut_off(monkeypatch: pytest.MonkeyPatch)
         loop = asyncio.get_running_loop()
         # Counted once its task starts, a few loop passes after the accept: after a stall of the loop (a loaded
         # machine) a sleep's timer can end first. Checked every pass instead; the connection then stays
-        # counted for WRITE_TIMEOUT, stuck writing the first 8 MB response, so no pass-by-pass check misses it.
+        # counted for HTTP_WRITE_TIMEOUT, stuck writing the first 8 MB response, so no pass-by-pass check misses it.
         deadline = loop.time() + 5
         while server._open != 1 and loop.time() < deadline:
             await asyncio.sleep(0)

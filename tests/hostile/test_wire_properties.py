@@ -10,13 +10,12 @@ from hypothesis import strategies as st
 
 from tests.support import parse_exposition
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.ingest import MAX_LABEL_CHARS
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.collectors.series import AgentSeriesCollector
 from torchpulse.framing import FrameReader
+from torchpulse.limits import MAX_FRAME_BYTES, MAX_LABEL_CHARS
 from torchpulse.protocol import (
     HEADER_SIZE,
-    MAX_FRAME_BYTES,
     Batch,
     FrameError,
     Hello,

@@ -49,7 +49,7 @@ def record(phase):
     values.update({f"{name}|{','.join(labels)}": sum(h.counts)
                    for (name, labels), h in agent.store._histograms.items()})
     events = [[e.event, dict(e.fields)] for e in agent.take_events(1000)]
-    facts[phase] = {"values": values, "events": events, "passes": agent.probes["autograd"]._passes}
+    facts[phase] = {"values": values, "events": events, "passes": agent.probes["autograd"]._schedule.passes}
 
 
 record("start")

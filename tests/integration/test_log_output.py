@@ -16,7 +16,7 @@ import msgspec
 
 from tests.support import REPO, DaemonProcess, send_raw, start_daemon, wait_for
 from torchpulse.aio import close_connection
-from torchpulse.daemon.writes import WRITE_TIMEOUT
+from torchpulse.limits import AGENT_SOCKET_WRITE_TIMEOUT
 from torchpulse.protocol import (
     HEADER,
     MAGIC,
@@ -80,7 +80,7 @@ def test_a_reply_larger_than_the_socket_buffer_closes_without_an_error(tmp_path:
         async def serve(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writer.write(b"x" * (4 << 20))  # far more than the kernel buffers: most stays in asyncio's
             try:
-                await close_connection(writer, WRITE_TIMEOUT)
+                await close_connection(writer, AGENT_SOCKET_WRITE_TIMEOUT)
             except BaseException as exc:
                 errors.append(exc)
             done.set()

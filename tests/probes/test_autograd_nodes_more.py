@@ -13,7 +13,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.probes.autograd_support import autograd_agent, events, node_values, passes
-from torchpulse.probes.autograd.nodes import MAX_GRAPH_DEPTH, iter_graph, roots_of
+from torchpulse.limits import MAX_GRAPH_DEPTH
+from torchpulse.probes.autograd.nodes import iter_graph, roots_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

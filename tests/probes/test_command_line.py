@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from torchpulse.probes.agent.command_line import SHOWN_COMMAND_CHARS, is_sensitive, scrub, shown_command
+from torchpulse.limits import SHOWN_COMMAND_CHARS
+from torchpulse.probes.agent.command_line import is_sensitive, scrub, shown_command
 
 
 @pytest.mark.parametrize(

@@ -182,7 +182,7 @@ def test_tree_gauges_follow_a_reset_of_the_trees(agent: Any) -> None:
     containers[0] = SimpleNamespace(tree_manager=_fake_manager(roots=2))
     try:
         probe = agent.probes["cudagraphs"]
-        probe._trees_dirty = True  # as after a recording
+        probe._trees.dirty = True  # as after a recording
         _poll(agent)
         assert (2.0, 2.0) == (agent.store.value("cudagraph_trees"), agent.store.value("cudagraph_nodes"))
         containers.clear()  # what reset_cudagraph_trees() does (Dynamo calls it only with CUDA)
@@ -309,7 +309,7 @@ class _ShardedLike(_CudaLike):
 
 def test_readiness_reads_sharded_grads_through_their_local_shard() -> None:
     """FSDP2 grads are DTensors: a moved shard counts as moved, and a graph output shard is static."""
-    from torchpulse.probes.cudagraphs import measure_readiness
+    from torchpulse.probes.cudagraphs.readiness import measure_readiness
 
     outputs = [torch.zeros(3)]
     containers = cudagraph_trees.local.tree_manager_containers

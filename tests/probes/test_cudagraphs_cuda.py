@@ -101,7 +101,7 @@ def test_recordings_warmups_trees_and_pool_match_torchs_trees(agent: Any) -> Non
         optimizer.zero_grad(set_to_none=True)
         compiled(torch.randn(4, 8, device="cuda")).sum().backward()
         optimizer.step()
-    agent.probes["cudagraphs"]._trees_dirty = True  # read the trees again at the next step, to compare now
+    agent.probes["cudagraphs"]._trees.dirty = True  # read the trees again at the next step, to compare now
     optimizer.step()
     agent.drain()
     trees, nodes, _, warmed = _trees()

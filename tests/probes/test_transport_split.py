@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from tests.support import local_agent
+from torchpulse.limits import MAX_ITEMS_PER_FRAME
 from torchpulse.probes.agent.agent import Agent
-from torchpulse.probes.agent.batches import MAX_ITEMS_PER_FRAME
 from torchpulse.probes.agent.sender import Sender
 
 

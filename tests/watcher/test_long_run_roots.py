@@ -17,10 +17,10 @@ from structlog.testing import capture_logs
 from tests.support import DaemonProcess, select, start_daemon, wait_for
 from tests.watcher.conftest import commit_copy
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
-from torchpulse.daemon.checkpoints.log_once import MAX_LOGGED_ONCE
 from torchpulse.daemon.checkpoints.scan import metadata_key
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.state import DB_NAME, Record, StateStore
+from torchpulse.limits import MAX_LOGGED_ONCE
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT, Batch, CheckpointSaved, Goodbye, Hello, LogEvent, encode
 
 pytestmark = pytest.mark.slow

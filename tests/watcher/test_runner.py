@@ -35,7 +35,7 @@ def _validate_traced() -> tuple[ValidationResult, int]:
 
 def test_a_flood_on_both_pipes_is_capped_and_the_last_json_line_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 MiB of noise on stdout and stderr each, then the result: the daemon keeps about 1 MiB of it."""
-    monkeypatch.setattr(checkpoint_runner, "MAX_OUTPUT_BYTES", MIB)
+    monkeypatch.setattr(checkpoint_runner, "MAX_WORKER_OUTPUT_BYTES", MIB)
     result = ValidationResult("/ckpt", Status.VALID, Level.DATA, (), {"bytes": 7})
     _worker_writing(
         monkeypatch,

@@ -16,12 +16,9 @@ import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 from torchpulse.catalog import HISTOGRAM_BOUNDS
-
-# More bounds than any real layout has: a hostile hello must not make the daemon hold or walk megabytes.
-MAX_BOUNDS: Final = 256
+from torchpulse.limits import MAX_HISTOGRAM_BOUNDS
 
 
 class Refused:
@@ -38,8 +35,8 @@ BucketPlan = dict[str, tuple[int, ...] | Refused]
 
 def bucket_map(agent: Sequence[float], ours: Sequence[float]) -> tuple[int, ...] | Refused:
     """For each of the agent's buckets, the index of the daemon's bucket that holds all of it."""
-    if len(agent) > MAX_BOUNDS:
-        return Refused(f"{len(agent)} bounds (at most {MAX_BOUNDS})")
+    if len(agent) > MAX_HISTOGRAM_BOUNDS:
+        return Refused(f"{len(agent)} bounds (at most {MAX_HISTOGRAM_BOUNDS})")
     if not all(math.isfinite(b) for b in agent) or any(b >= c for b, c in itertools.pairwise(agent)):
         return Refused("bounds that are not finite and strictly increasing")
     plan = []

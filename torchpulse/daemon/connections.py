@@ -18,23 +18,23 @@ import structlog
 
 from torchpulse.bounds import TokenBucket
 from torchpulse.daemon.log_settings import LOG_LEVELS
-from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
+from torchpulse.daemon.logs import bounded_fields, cut
 from torchpulse.daemon.runs import RankState
+from torchpulse.limits import (
+    EVENT_LOG_BURST,
+    EVENT_LOG_RATE,
+    MAX_NAME_CHARS,
+    NODE_LOG_BURST,
+    NODE_LOG_RATE,
+    SUPPRESSED_REPORT_INTERVAL,
+)
 from torchpulse.protocol import LogEvent
 
 log = structlog.get_logger("torchpulse.daemon.server")
-# Log events of one rank the daemon writes: a whole burst (an agent's full event queue several
-# times over), then a few a second. Kept across reconnects of the same process.
-EVENT_LOG_BURST: Final = 10_000
-EVENT_LOG_RATE: Final = 20.0
 # `autograd.node` events come only when asked for (`ctl autograd-log N`, at most 100 passes):
 # one per node of each pass, so a large model's request alone is tens of thousands of lines.
 # They get a bucket of their own, large enough for such a request, and do not use up the other.
 NODE_LOG_EVENT: Final = "autograd.node"
-NODE_LOG_BURST: Final = 250_000
-NODE_LOG_RATE: Final = 2_000.0
-# While a rank's log events are suppressed, how often the daemon says how many.
-SUPPRESSED_REPORT_INTERVAL: Final = 60.0
 # Names an agent's event field cannot have: who sent it, and the logger's own parameters.
 RESERVED_FIELDS: Final = {
     "event",

@@ -30,13 +30,13 @@ from typing import Final
 import structlog
 
 from torchpulse.daemon.connections import ConnectionTable
-from torchpulse.daemon.logs import MAX_NAME_CHARS, bounded_fields, cut
+from torchpulse.daemon.logs import bounded_fields, cut
 from torchpulse.daemon.peercred import Peer
 from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.runs import RankState, RunState
+from torchpulse.limits import MAX_COMMAND_TIMEOUT, MAX_LOGGED_RANKS, MAX_NAME_CHARS
 from torchpulse.protocol import (
     CALLER_UID_ARG,
-    MAX_COMMAND_TIMEOUT,
     Command,
     CommandResult,
     CtlReply,
@@ -55,8 +55,6 @@ MIN_TRACE_LEAD_STEPS = 3
 # when it needs the rank's own step counter: to plan a trace, and to explain a timeout.
 STEP_QUERY_SECONDS = 1.0
 MAX_REPORTED_RATE = 1e6
-# Ranks a "command received" line lists; a client may address thousands (or send a list of millions).
-MAX_LOGGED_RANKS = 64
 # Command ids start at a random point of this range, different for each daemon process: an agent answers a
 # command of the daemon before a restart on its connection to the next daemon (a trace it was capturing, a
 # trace superseded), and with ids counted from 1 again that answer would be taken for a new command's.

@@ -13,9 +13,10 @@ import contextlib
 import structlog
 
 from torchpulse.daemon.control import ControlHub, NotAuthorized, logged_ranks
-from torchpulse.daemon.logs import MAX_NAME_CHARS, cut
+from torchpulse.daemon.logs import cut
 from torchpulse.daemon.peercred import Peer
 from torchpulse.daemon.writes import drain
+from torchpulse.limits import MAX_NAME_CHARS
 from torchpulse.protocol import CtlReply, CtlRequest, ErrorReply, FrameError, encode
 
 log = structlog.get_logger("torchpulse.daemon.server")

@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Final
 
+from torchpulse.limits import FRAME_BODY_TIMEOUT, MAX_BUFFERED_BYTES, SMALL_FRAME_BYTES
 from torchpulse.protocol import HEADER_SIZE, FrameError, decode_agent_frame, parse_header
-
-# Once a header arrived, its body must follow within this long: a peer cannot park
-# a half-sent frame (up to MAX_FRAME_BYTES of buffer) on a connection for ever.
-FRAME_BODY_TIMEOUT: Final = 30.0
-# Bodies of large frames being read, all connections together. Such a frame waits
-# for room (one may always proceed alone, so no size starves). Small frames skip
-# the wait: StreamReader holds at most ~128 KiB per connection besides a pending
-# body, so an agent's usual batches never queue behind a peer parking big ones.
-MAX_BUFFERED_BYTES: Final = 64 << 20
-SMALL_FRAME_BYTES: Final = 64 << 10
 
 
 class FrameReader:

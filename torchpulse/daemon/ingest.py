@@ -9,14 +9,12 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Final
 
 from torchpulse.catalog import CATALOG
 from torchpulse.daemon.buckets import Refused, rebucket
 from torchpulse.daemon.runs import COUNTER_FAMILIES, RankState, RunState
+from torchpulse.limits import MAX_LABEL_CHARS
 from torchpulse.protocol import Batch
-
-MAX_LABEL_CHARS: Final = 200
 
 
 def apply_batch(run: RunState, state: RankState, batch: Batch, series_limit: int, rejected: Counter[str]) -> int:

@@ -11,16 +11,10 @@ from typing import Final
 import structlog
 
 from torchpulse import bounds
+from torchpulse.limits import MAX_EVENT_CHARS, MAX_FIELDS, MAX_NAME_CHARS, MAX_TEXT_CHARS
 from torchpulse.protocol import FieldValue
 from torchpulse.terminal import printable
 
-# What a peer (an agent, a `ctl` client, a hostile local process) puts into the daemon's log is cut:
-# journald splits a line longer than its LineMax (48 KiB by default) into entries that are no longer
-# JSON, and a megabyte per line would fill the journal. Agents cut their own fields at 4096 characters.
-MAX_TEXT_CHARS: Final = 4096
-MAX_NAME_CHARS: Final = 200  # event names, field names, run and command names
-MAX_FIELDS: Final = 32
-MAX_EVENT_CHARS: Final = 16384  # all of one event's fields together
 # sd-daemon(3) priority prefixes: journald reads "<4>" at the start of a stderr line as the entry's
 # priority and strips it, so `journalctl -p warning` finds warnings and MESSAGE stays plain JSON.
 JOURNAL_PRIORITIES: Final = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Final
 
 import structlog
 
 from torchpulse.daemon.buckets import BucketPlan, Refused, plan_for
-from torchpulse.daemon.ingest import MAX_LABEL_CHARS, apply_batch
+from torchpulse.daemon.ingest import apply_batch
 from torchpulse.daemon.peercred import Peer, still_running
 from torchpulse.daemon.runs import RankState, RunState
+from torchpulse.limits import MAX_COMMAND_CHARS, MAX_LABEL_CHARS
 from torchpulse.protocol import Batch, FrameError, Hello, LogEvent
 
 log = structlog.get_logger("torchpulse.daemon")
-# run_info carries the command line; agents cut it at 256 characters.
-MAX_COMMAND_CHARS: Final = 512
 
 
 def _log_bucket_plan(hello: Hello, plan: BucketPlan) -> None:

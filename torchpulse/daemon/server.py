@@ -21,7 +21,6 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
 
 import structlog
 
@@ -37,7 +36,20 @@ from torchpulse.daemon.registry import Registry
 from torchpulse.daemon.runs import RankState, RunState
 from torchpulse.daemon.socket_file import SocketFile
 from torchpulse.daemon.status_replies import StatusReplies
-from torchpulse.daemon.writes import WRITE_TIMEOUT, StalledReader, drain
+from torchpulse.daemon.writes import StalledReader, drain
+from torchpulse.limits import (
+    AGENT_IDLE_TIMEOUT,
+    AGENT_SOCKET_MAX_CONNECTIONS,
+    AGENT_SOCKET_WRITE_TIMEOUT,
+    CLIENT_RESERVE,
+    FD_RESERVE,
+    FIRST_FRAME_TIMEOUT,
+    MAX_DETAIL_CHARS,
+    MAX_STATUS_HELD_BYTES,
+    REJECT_LOG_INTERVAL,
+    STATUS_WRITE_CHUNK,
+    STUCK_STATUS_SECONDS,
+)
 from torchpulse.protocol import (
     Batch,
     CheckpointSaved,
@@ -55,31 +67,6 @@ from torchpulse.protocol import (
 from torchpulse.version import __version__
 
 log = structlog.get_logger("torchpulse.daemon.server")
-# A peer that connects and says nothing is dropped after this long.
-FIRST_FRAME_TIMEOUT: Final = 10.0
-# An agent sends at least a heartbeat every 5 s; one silent this long is gone
-# (a frozen host, a half-open socket) and its connection slot is freed.
-AGENT_IDLE_TIMEOUT: Final = 120.0
-# Connections held at once, whatever their state: past it a new one is refused,
-# before the daemon runs out of descriptors (then it could not even answer
-# `torchpulse status` or a scrape). Lowered to fit RLIMIT_NOFILE.
-MAX_CONNECTIONS: Final = 1024
-FD_RESERVE: Final = 128  # descriptors kept for scrapes, the state store, watchers, workers
-# Of those, agents may hold all but these, so `torchpulse status` and `ctl` get in
-# while a flood of hellos holds the rest.
-CLIENT_RESERVE: Final = 32
-# Status replies held for clients that have not read them yet, all connections together (see HeldReplies).
-# Each connection that sent StatusRequest and never read held its whole reply in its transport until
-# WRITE_TIMEOUT (1,000 connections: hundreds of megabytes). A reply is at most MAX_FRAME_BYTES (4 MiB).
-MAX_STATUS_HELD_BYTES: Final = 64 << 20
-STATUS_WRITE_CHUNK: Final = 64 << 10
-# At the connection limit, a status client still writing after this long gives way to a new connection.
-STUCK_STATUS_SECONDS: Final = 1.0
-# Rejection warnings are rate-limited: a hostile client must not flood the journal.
-REJECT_LOG_INTERVAL: Final = 10.0
-# A rejection's detail can quote the frame (msgspec names an unknown type by its value): cut in the
-# log line and in the answer, so a peer gets back no megabyte it sent.
-MAX_DETAIL_CHARS: Final = 1000
 
 Registered = tuple[RunState, RankState]
 
@@ -149,7 +136,7 @@ class AgentServer:
         announcements: Announcements | None = None
         try:
             # At the limit, a client that does not read its status reply gives way: it would hold its slot
-            # until WRITE_TIMEOUT while agents' hellos were refused.
+            # until AGENT_SOCKET_WRITE_TIMEOUT while agents' hellos were refused.
             if len(self._tasks) > self.max_connections and not self._status_held.cut_off_oldest(
                 stuck_for=STUCK_STATUS_SECONDS
             ):
@@ -199,7 +186,7 @@ class AgentServer:
         except (ConnectionError, asyncio.CancelledError):
             pass
         except StalledReader:
-            writer.transport.abort()  # a graceful close would wait for it to read, a second WRITE_TIMEOUT
+            writer.transport.abort()  # a graceful close would wait for it to read, a second AGENT_SOCKET_WRITE_TIMEOUT
         except Exception as exc:  # a daemon bug must cost one connection, never the daemon
             self._reject(
                 FrameError("internal_error", f"the daemon failed on this frame: {exc!r}"), writer, peer, exc_info=True
@@ -207,7 +194,7 @@ class AgentServer:
         finally:
             if registered is not None:
                 self._closed(registered, connection)
-            await close_connection(writer, WRITE_TIMEOUT)
+            await close_connection(writer, AGENT_SOCKET_WRITE_TIMEOUT)
             if task is not None:
                 self._tasks.discard(task)
 
@@ -271,7 +258,7 @@ class AgentServer:
         # of the shared reply, whatever the client leaves unread.
         writer.transport.set_write_buffer_limits(high=0)
         try:
-            async with asyncio.timeout(WRITE_TIMEOUT):
+            async with asyncio.timeout(AGENT_SOCKET_WRITE_TIMEOUT):
                 await self._status_held.write(writer, body)
         except TimeoutError:
             raise StalledReader from None
@@ -323,17 +310,18 @@ def _refuse_another_users_run(run: RunState | None, hello: Hello, peer: Peer | N
 
 
 def connection_limit() -> int:
-    """MAX_CONNECTIONS, or fewer when the descriptor limit could not hold them."""
+    """AGENT_SOCKET_MAX_CONNECTIONS, or fewer when the descriptor limit could not hold them."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(CLIENT_RESERVE + 1, min(MAX_CONNECTIONS, soft - FD_RESERVE))
+        return AGENT_SOCKET_MAX_CONNECTIONS
+    return max(CLIENT_RESERVE + 1, min(AGENT_SOCKET_MAX_CONNECTIONS, soft - FD_RESERVE))
 
 
 def raise_descriptor_limit() -> None:
     """Soft RLIMIT_NOFILE up to the hard one (1024 by default by hand; the unit sets 16384)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = MAX_CONNECTIONS + FD_RESERVE if hard == resource.RLIM_INFINITY else min(hard, MAX_CONNECTIONS + FD_RESERVE)
+    most = AGENT_SOCKET_MAX_CONNECTIONS + FD_RESERVE
+    wanted = most if hard == resource.RLIM_INFINITY else min(hard, most)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

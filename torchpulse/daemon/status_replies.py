@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Final
 
+from torchpulse.limits import MAX_STATUS_SPACING
 from torchpulse.protocol import StatusReply, encode
-
-# A status reply of thousands of ranks takes the loop tens of milliseconds to build: one build serves every
-# StatusRequest read before it starts, and the next one waits as long as the last took (at most this long).
-# Each request had its own build: a crowd of `torchpulse status`, or a peer sending StatusRequest on ~1,000
-# connections, held agents' hellos and batches for seconds. The loop now spends at most about half of its
-# time on status however many ask, and no reply is older than the request it answers.
-MAX_STATUS_SPACING: Final = 5.0
 
 
 class StatusReplies:

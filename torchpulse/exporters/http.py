@@ -20,26 +20,19 @@ import structlog
 
 from torchpulse.aio import HeldReplies, close_connection
 from torchpulse.exporters.prometheus import CONTENT_TYPE, Exposition
+from torchpulse.limits import (
+    HTTP_HEADER_TIMEOUT,
+    HTTP_IDLE_TIMEOUT,
+    HTTP_LINGER_TIMEOUT,
+    HTTP_MAX_CONNECTIONS,
+    HTTP_MAX_HEADER_BYTES,
+    HTTP_MAX_HELD_BYTES,
+    HTTP_WRITE_CHUNK,
+    HTTP_WRITE_TIMEOUT,
+    MAX_RENDER_REUSE_SECONDS,
+)
 
 log = structlog.get_logger("torchpulse.exporters.http")
-MAX_HEADER_BYTES: Final = 8192
-HEADER_TIMEOUT: Final = 5.0
-IDLE_TIMEOUT: Final = 60.0
-MAX_CONNECTIONS: Final = 256
-# A client that leaves a response unread this long is cut off: a stalled reader
-# would otherwise hold a connection slot and a rendered body forever.
-WRITE_TIMEOUT: Final = 30.0
-# Response bodies held for clients that have not read them yet, all connections together (see HeldReplies).
-# A client that asks for /metrics and never reads held a copy of the whole exposition (tens of megabytes on a
-# busy node) until WRITE_TIMEOUT: a hundred such connections took gigabytes.
-MAX_HELD_BYTES: Final = 128 << 20
-WRITE_CHUNK: Final = 256 << 10
-# A rendered exposition is served again to scrapes that arrive within the time its rendering took (at most
-# this long): scrapes queued behind a render, or a crowd of scrapers, then cost one render, not one each.
-# The loop spends at most about half of its time rendering however many clients scrape.
-MAX_REUSE_SECONDS: Final = 5.0
-# After an error answer, how long what the client still sends is read and dropped (see `_refuse`).
-LINGER_TIMEOUT: Final = 2.0
 REASONS: Final = {
     200: "OK",
     400: "Bad Request",
@@ -71,7 +64,7 @@ def _cut_off(connections: int) -> None:
     log.warning(
         "scrape clients cut off: they do not read their responses and the bodies held for them passed the budget",
         connections=connections,
-        max_held_bytes=MAX_HELD_BYTES,
+        max_held_bytes=HTTP_MAX_HELD_BYTES,
     )
 
 
@@ -85,7 +78,7 @@ class MetricsServer:
         self._waiting: dict[asyncio.StreamWriter, float] = {}
         # Every open connection and the task serving it, for `close`.
         self._connections: dict[asyncio.StreamWriter, asyncio.Task[None]] = {}
-        self._held = HeldReplies(MAX_HELD_BYTES, WRITE_CHUNK, _cut_off)
+        self._held = HeldReplies(HTTP_MAX_HELD_BYTES, HTTP_WRITE_CHUNK, _cut_off)
         # The last /metrics body: (when it was rendered, how long that took, the body, its gzip or None).
         self._rendered: tuple[float, float, bytes, bytes | None] | None = None
         self._closing = False
@@ -93,7 +86,7 @@ class MetricsServer:
 
     async def start(self, host: str, port: int) -> None:
         try:
-            self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_HEADER_BYTES)
+            self._server = await asyncio.start_server(self._serve, host, port, limit=HTTP_MAX_HEADER_BYTES)
         except OSError as exc:
             # asyncio says which address, not which setting: name the key and the flag that choose it.
             raise OSError(
@@ -129,14 +122,14 @@ class MetricsServer:
             if self._closing:  # accepted just before `close`: its abort loop did not see this one
                 writer.transport.abort()
                 return
-            if self._open > MAX_CONNECTIONS and not self._evict_oldest_waiting():
+            if self._open > HTTP_MAX_CONNECTIONS and not self._evict_oldest_waiting():
                 await self._respond(writer, 503, b"too many connections\n", keep_alive=False)
                 return
             first = True
             while True:
                 self._waiting[writer] = time.monotonic()
                 try:
-                    request = await self._read_request(reader, HEADER_TIMEOUT if first else IDLE_TIMEOUT)
+                    request = await self._read_request(reader, HTTP_HEADER_TIMEOUT if first else HTTP_IDLE_TIMEOUT)
                 finally:
                     self._waiting.pop(writer, None)
                 first = False
@@ -154,7 +147,7 @@ class MetricsServer:
             writer.transport.abort()
         finally:
             try:
-                await close_connection(writer, WRITE_TIMEOUT)
+                await close_connection(writer, HTTP_WRITE_TIMEOUT)
             finally:
                 # Counted until its socket is closed: a descriptor is held until then.
                 self._open -= 1
@@ -177,7 +170,7 @@ class MetricsServer:
             line = await _read_line(reader, 414)
             size = len(line)
             # RFC 9112 2.2: empty lines before a request line are ignored (within the size limit).
-            while line in (b"\r\n", b"\n") and size <= MAX_HEADER_BYTES:
+            while line in (b"\r\n", b"\n") and size <= HTTP_MAX_HEADER_BYTES:
                 line = await _read_line(reader, 414)
                 size += len(line)
             if not line:
@@ -186,13 +179,13 @@ class MetricsServer:
             headers: dict[str, str] = {}
             while (line := await _read_line(reader, 431)) not in (b"\r\n", b"\n"):
                 size += len(line)
-                if size > MAX_HEADER_BYTES:
+                if size > HTTP_MAX_HEADER_BYTES:
                     raise BadRequest(431, "request header too large")
                 if not line:
                     raise BadRequest(400, "the connection ended inside the request header")
                 name, value = _header_field(line)
                 headers[name] = value
-        if size > MAX_HEADER_BYTES:
+        if size > HTTP_MAX_HEADER_BYTES:
             raise BadRequest(431, "request header too large")
         length = headers.get("content-length", "0")
         if not (length.isascii() and length.isdigit()):  # "²" is a digit to str.isdigit, not to int()
@@ -207,13 +200,13 @@ class MetricsServer:
         Closing a socket with unread request bytes in it makes the kernel reset the
         connection, which can discard the answer before the client reads it: the write
         side is shut first, then what the client still sends is read and dropped, for
-        LINGER_TIMEOUT at most.
+        HTTP_LINGER_TIMEOUT at most.
         """
         try:
             await self._respond(writer, exc.status, f"{exc}\n".encode(), keep_alive=False)
             if writer.can_write_eof():
                 writer.write_eof()
-            async with asyncio.timeout(LINGER_TIMEOUT):
+            async with asyncio.timeout(HTTP_LINGER_TIMEOUT):
                 while await reader.read(1 << 16):
                     pass
         except (ConnectionError, TimeoutError):
@@ -248,7 +241,7 @@ class MetricsServer:
         """The exposition (gzipped when asked), rendered now or reused from a render younger than its duration."""
         now = time.monotonic()
         cached = self._rendered
-        if cached is None or now - cached[0] >= min(cached[1], MAX_REUSE_SECONDS):
+        if cached is None or now - cached[0] >= min(cached[1], MAX_RENDER_REUSE_SECONDS):
             body = self.exposition.render()
             done = time.monotonic()
             cached = self._rendered = (done, done - now, body, None)
@@ -284,7 +277,7 @@ class MetricsServer:
             lines.append(f"Content-Encoding: {encoding}")
         if content_type == CONTENT_TYPE:
             lines.append("Vary: Accept-Encoding")  # the body depends on it: caches must not mix the two
-        async with asyncio.timeout(WRITE_TIMEOUT):
+        async with asyncio.timeout(HTTP_WRITE_TIMEOUT):
             await self._held.write(writer, b"" if head else body, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
 
@@ -297,9 +290,9 @@ async def _read_line(reader: asyncio.StreamReader, too_long: int) -> bytes:
             raise BadRequest(400, "the connection ended inside the request header") from None
         return b""
     except asyncio.LimitOverrunError:
-        # No end of line in the first MAX_HEADER_BYTES: a request line that began with a method
+        # No end of line in the first HTTP_MAX_HEADER_BYTES: a request line that began with a method
         # has a target too long to take (414); bytes that never looked like one are garbage (400).
-        head = await reader.read(MAX_HEADER_BYTES)
+        head = await reader.read(HTTP_MAX_HEADER_BYTES)
         method, space, _ = head.partition(b" ")
         if too_long == 414 and not (space and _TOKEN.fullmatch(method.decode("latin-1"))):
             raise BadRequest(400, "malformed request line") from None

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from torchpulse.limits import MAX_ERROR_CHARS, MAX_ERROR_LABELS, MAX_MESSAGE_CHARS
 from torchpulse.probes.agent.probe import Probe
 from torchpulse.probes.agent.store import BoundedLabel
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT
@@ -53,11 +54,6 @@ API_MODULE: Final = "torch.distributed.checkpoint.api"
 APIS: Final = ("save", "async_save")
 SAVE_FAILED_EVENT: Final = "checkpoint save failed"
 SAVE_CANCELLED_EVENT: Final = "checkpoint save cancelled"
-# The `error` label is a class name: cut well below the daemon's MAX_LABEL_CHARS (200, beyond which it
-# refuses the whole series), and the first ERROR_LABELS distinct names per process keep their own series.
-MAX_ERROR_CHARS: Final = 64
-ERROR_LABELS: Final = 8
-MAX_MESSAGE_CHARS: Final = 500
 # fsspec's protocols for local files: DCP writes such a checkpoint_id through FsspecWriter.
 LOCAL_URLS: Final = ("file://", "local://")
 
@@ -220,7 +216,7 @@ class CheckpointProbe(Probe):
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
         # Sender thread only; kept across uninstall so a re-install stays within the bound.
-        self._errors = BoundedLabel(ERROR_LABELS)
+        self._errors = BoundedLabel(MAX_ERROR_LABELS)
         self._failures: tuple[type[BaseException], ...] = (Exception,)
 
     def _install(self) -> None:

@@ -25,7 +25,7 @@ log = get_logger("torchpulse.agent")
 FAMILIES: Final[dict[str, str]] = {
     "optimizer": "torchpulse.probes.optimizer:OptimizerProbe",
     "compile": "torchpulse.probes.compile.probe:CompileProbe",
-    "cudagraphs": "torchpulse.probes.cudagraphs:CudaGraphProbe",
+    "cudagraphs": "torchpulse.probes.cudagraphs.probe:CudaGraphProbe",
     "autograd": "torchpulse.probes.autograd.probe:AutogradProbe",
     "checkpoint": "torchpulse.probes.checkpoint:CheckpointProbe",
 }

@@ -30,13 +30,11 @@ from torchpulse.daemon.checkpoints.paths import normalize
 from torchpulse.daemon.logs import cut
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.peercred import Peer
+from torchpulse.limits import MAX_PENDING_ANNOUNCEMENTS
 from torchpulse.protocol import CheckpointSaved, LogEvent, checkpoint_saved
 
 log = structlog.get_logger("torchpulse.daemon.server")  # the logger these lines always had
 
-# Checkpoint announcements of one connection waiting for their check: a job announces one per save, so a
-# longer queue is a peer flooding them (each check is a thread and a few stats).
-MAX_PENDING_ANNOUNCEMENTS: Final = 64
 # Kernel filesystems: a directory there may well be the announcing user's (their process's /proc/PID, a
 # delegated cgroup), but the daemon must never watch and walk the tree above it (all of /proc).
 KERNEL_FILESYSTEMS: Final = frozenset(

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Final
-
 import structlog
 
+from torchpulse.limits import MAX_LOGGED_ONCE
+
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
-# Distinct keys remembered; an agent repeating a bad path logs it once, and a node that starts a new job
-# every hour does not grow the set forever.
-MAX_LOGGED_ONCE: Final = 1024
 
 
 class LogOnce:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Final
 
 from torchpulse.daemon.checkpoints.log_once import LogOnce
 from torchpulse.daemon.checkpoints.scan import Uncommitted, newest_data_write, uncommitted
-
-# Longer paths cannot be opened (PATH_MAX).
-MAX_PATH_BYTES: Final = 4095
+from torchpulse.limits import MAX_PATH_BYTES
 
 
 def normalize(path: str) -> str:

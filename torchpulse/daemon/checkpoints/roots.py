@@ -15,18 +15,14 @@ import os
 import pwd
 import time
 from collections.abc import Callable
-from typing import Final
 
 import structlog
 
 from torchpulse.daemon.checkpoints.watcher import Outcome, Watcher
 from torchpulse.daemon.offloop import off_loop
+from torchpulse.limits import SETTLE_SECONDS
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
-# How long start and a sweep wait for the watch operations they started. One
-# still running then (a hung mount) goes on in its thread, and its root is
-# skipped, not waited for, until it ends.
-SETTLE_SECONDS: Final = 10.0
 
 
 class RootWatches:

@@ -19,12 +19,8 @@ from collections import deque
 
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
+from torchpulse.limits import MAX_WORKER_OUTPUT_BYTES, MAX_WORKER_STDERR_BYTES
 
-# Enough for the one JSON line: only this much of the end of stdout is kept,
-# so a runaway worker cannot fill the daemon's memory.
-MAX_OUTPUT_BYTES = 16 << 20
-# stderr only gives the last line of a crash's message.
-MAX_STDERR_BYTES = 64 << 10
 # Read size, and the pipe readers' buffer limit (asyncio buffers up to twice it).
 CHUNK_BYTES = 64 << 10
 
@@ -70,7 +66,9 @@ async def validate(path: str, level: Level, limits: Limits) -> ValidationResult:
             # Both pipes drained at once: a worker blocked on a full stderr pipe never finishes its stdout.
             assert proc.stdout is not None and proc.stderr is not None
             line, error_line, _ = await asyncio.gather(
-                _last_line_of(proc.stdout, MAX_OUTPUT_BYTES), _last_line_of(proc.stderr, MAX_STDERR_BYTES), proc.wait()
+                _last_line_of(proc.stdout, MAX_WORKER_OUTPUT_BYTES),
+                _last_line_of(proc.stderr, MAX_WORKER_STDERR_BYTES),
+                proc.wait(),
             )
     except TimeoutError:
         await _kill(proc)

@@ -15,9 +15,8 @@ from typing import Final
 
 from torchpulse.checkpoints.model import DATA_SUFFIXES
 from torchpulse.daemon.checkpoints.watcher import is_metadata_name
+from torchpulse.limits import MAX_SCAN_DEPTH
 
-# Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked.
-MAX_DEPTH: Final = 4
 # Only DCP writes `.distcp` files, so only they make a directory without `.metadata` a save that has not
 # committed. Safetensors files also come from Hugging Face's Trainer and `save_pretrained` (and DCP's own
 # HuggingFaceStorageWriter), which never write a `.metadata`: such a directory is no unfinished DCP save.
@@ -122,7 +121,7 @@ def uncommitted(directory: str, names: list[str]) -> Uncommitted | None:
     return Uncommitted(directory, newest, max(newest, touched))
 
 
-def scan(root: str, max_depth: int = MAX_DEPTH) -> Scan:
+def scan(root: str, max_depth: int = MAX_SCAN_DEPTH) -> Scan:
     """Walk `root` (not following symlinks); unreadable directories are skipped."""
     try:
         return _scan(root, max_depth)

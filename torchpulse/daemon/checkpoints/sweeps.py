@@ -22,11 +22,12 @@ from torchpulse.daemon.checkpoints.paths import incomplete_key_for, usable
 from torchpulse.daemon.checkpoints.queue import ValidationQueue
 from torchpulse.daemon.checkpoints.records import Records
 from torchpulse.daemon.checkpoints.root_set import RootSet, label
-from torchpulse.daemon.checkpoints.roots import SETTLE_SECONDS, RootWatches, log_crash
+from torchpulse.daemon.checkpoints.roots import RootWatches, log_crash
 from torchpulse.daemon.checkpoints.scan import Scan, deleted, scan
 from torchpulse.daemon.checkpoints.state import StateStore
 from torchpulse.daemon.checkpoints.stats import CheckpointStats
 from torchpulse.daemon.offloop import off_loop
+from torchpulse.limits import SETTLE_SECONDS
 
 log = structlog.get_logger("torchpulse.daemon.checkpoints")
 MAX_SWEEP_INTERVAL: Final = 60.0

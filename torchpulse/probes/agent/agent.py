@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from torchpulse.limits import MAX_FIELD_CHARS, MAX_REQUESTED_EVENTS
 from torchpulse.probes.agent.config import AgentConfig
 from torchpulse.probes.agent.control import Control
 from torchpulse.probes.agent.identity import Identity
@@ -24,13 +25,8 @@ from torchpulse.protocol import FieldValue, LogEvent
 
 log = get_logger("torchpulse.agent")
 Record = tuple[Callable[..., None], tuple[object, ...]]
-# Keeps one hostile recompile reason from filling a frame.
-MAX_FIELD_CHARS = 4096
 # The `reason` values of agent_events_dropped_total, in the order `_sync_drop_counters` reads them.
 DROP_REASONS = ("buffer_full", "events_overflow", "oversized")
-# Bulk events an operator asked for that may wait in the job (~500 bytes each): `ctl autograd-log 10`
-# of a 5,000-node model. Past it they are dropped and counted as events_overflow.
-MAX_REQUESTED_EVENTS = 50_000
 
 
 def _cut(fields: dict[str, FieldValue]) -> dict[str, FieldValue]:

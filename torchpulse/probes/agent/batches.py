@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from torchpulse.limits import MAX_ITEMS_PER_FRAME
 from torchpulse.protocol import Batch, FieldValue, FrameError, HistogramSample, LogEvent, Sample, encode, utf8
 
-# Items per frame: keeps usual frames far below MAX_FRAME_BYTES (larger ones are halved).
-MAX_ITEMS_PER_FRAME = 2000
 Part = tuple[list[Sample], list[HistogramSample], list[LogEvent]]
 
 

@@ -17,9 +17,9 @@ import shlex
 from collections.abc import Sequence
 from typing import Final
 
+from torchpulse.limits import SHOWN_COMMAND_CHARS
+
 MASK: Final = "***"
-# Bounded: run_info carries it as a label value.
-SHOWN_COMMAND_CHARS: Final = 256
 # An option or key is sensitive when one of its words (split at - _ . and case changes) is one
 # of these, or two adjacent words make one of the pairs: `--hf-token`, `api_key`, `wandb.apiKey`.
 _SENSITIVE_WORDS: Final = frozenset(

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 
+from torchpulse.limits import MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
 from torchpulse.probes.agent import trace_capture
-from torchpulse.protocol import CALLER_UID_ARG, MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE, Command
+from torchpulse.protocol import CALLER_UID_ARG, Command
 
 
 class CommandFailed(Exception):

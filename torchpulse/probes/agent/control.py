@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from torchpulse.limits import MAX_PENDING_COMMANDS
 from torchpulse.probes.agent import trace_capture
 from torchpulse.probes.agent.commands import CommandFailed, check_arguments
 from torchpulse.probes.agent.logs import get_logger
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.control")
 __all__ = ["CommandFailed", "Control"]
-# Commands waiting for the next step boundary; a peer flooding more gets "busy", not the job's memory.
-MAX_PENDING_COMMANDS = 32
 
 
 class Control:

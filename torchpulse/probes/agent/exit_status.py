@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 import threading
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
-MAX_CAUSE_CHARS: Final = 200
+from torchpulse.limits import MAX_CAUSE_CHARS
 
 _failure: str | None = None
 # (our excepthook, the one it chains to, our exit, the one it calls), while installed.

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from torchpulse.limits import MAX_TRACEBACK_CHARS
 from torchpulse.probes.agent.after_import import AfterImport
 from torchpulse.probes.agent.logs import get_logger
 from torchpulse.probes.agent.threads import enter_hook, inside_hook, leave_hook, on_agent_thread
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.probes")
 F = TypeVar("F", bound=Callable[..., Any])
-# An agent event field holds at most 4096 characters (agent.MAX_FIELD_CHARS); keep the traceback's end.
-MAX_TRACEBACK_CHARS = 4000
 
 
 class Removable(Protocol):

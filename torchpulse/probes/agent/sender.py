@@ -17,6 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from torchpulse.limits import MAX_CHUNKS_PER_READ
 from torchpulse.probes.agent.batches import BatchEncoder, split
 from torchpulse.probes.agent.connection import DaemonLink
 from torchpulse.probes.agent.logs import get_logger
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 log = get_logger("torchpulse.agent")
 # An idle agent still sends an empty batch this often, so the daemon sees it alive.
 HEARTBEAT_INTERVAL = 5.0
-# Socket reads (64 KiB each) handled per call before the thread gets back to its own cycle.
-MAX_CHUNKS_PER_READ = 16
 
 
 class Sender(threading.Thread):

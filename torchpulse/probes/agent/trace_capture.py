@@ -27,11 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from torchpulse.limits import MAX_RUN_CHARS_IN_NAME, MAX_TRACE_DIR_CHARS
 from torchpulse.protocol import Command
 
-# The run's part of a file name: long enough to recognise, short of NAME_MAX (255).
-MAX_RUN_CHARS_IN_NAME = 64
-MAX_OUT_CHARS = 4096
 # A directory opened for a trace: never blocks on a FIFO, never leaks into a child the job forks.
 _OPEN_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK
 
@@ -72,7 +70,7 @@ def open_out_dir(out: object, caller_uid: object = None) -> int:
     if not isinstance(out, str) or not out:
         raise ValueError("missing argument: out")
     path = Path(out)
-    if "\0" in out or len(out) > MAX_OUT_CHARS or not path.is_absolute():
+    if "\0" in out or len(out) > MAX_TRACE_DIR_CHARS or not path.is_absolute():
         raise ValueError(f"out must be an absolute directory path, got {out[:100]!r}")
     foreign = _foreign_caller(caller_uid)
     if foreign is None:

@@ -17,18 +17,13 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from torchpulse.limits import MAX_GRAPH_DEPTH
 from torchpulse.probes.torch_compat import autograd_engine as autograd_compat
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
 # (dtype, shape) of each grad_output, None for an undefined gradient; "?" for a size a
 # strided nested tensor leaves irregular (it has no `shape`).
 GradShape = tuple[torch.dtype, tuple[int | str, ...]] | None
-
-# Levels of the graph a walk goes down. From torch 2.13 a node keeps the Python object a walk
-# made for it (`next_functions`) for as long as it lives, and freeing a chain of such nodes
-# recurses once per node: a fully walked chain ~45,000 deep overflows an 8 MiB stack and kills
-# the job (torch's own DEBUG logging hooks do too). Deeper nodes are neither timed nor searched.
-MAX_GRAPH_DEPTH = 10_000
 
 
 # AccumulateGrad nodes have no sequence number: torch gives them UINT64_MAX, which JSON readers
@@ -87,6 +82,10 @@ def roots_of(outputs: Iterable[Any]) -> list[Node]:
     return roots
 
 
+# From torch 2.13 a node keeps the Python object a walk made for it (`next_functions`) for as long as it
+# lives, and freeing a chain of such nodes recurses once per node: a fully walked chain ~45,000 deep
+# overflows an 8 MiB stack and kills the job (torch's own DEBUG logging hooks do too). Nodes deeper than
+# MAX_GRAPH_DEPTH are neither timed nor searched.
 def iter_graph(
     roots: Iterable[Node], max_depth: int = MAX_GRAPH_DEPTH, on_cut: Callable[[], None] | None = None
 ) -> Iterator[Node]:

@@ -1,13 +1,10 @@
 """Autograd probe: passes by kind and time, sampled per-node timing, non-finite gradients.
 
-Every pass goes through `torch.autograd.graph._engine_run_backward`, which
-`torch.autograd` also imports under its own name; both references are
-replaced by a wrapper, so `loss.backward()`, `torch.autograd.backward`,
-`torch.autograd.grad` and compiled-autograd passes are all seen. The wrapper
-costs two clock reads and one record on ordinary passes. Every Nth pass it
-hooks the graph's nodes for timing (`autograd_nodes`), and after passes that
-accumulate into `.grad` it queues a device-side non-finite check
-(`autograd_nonfinite`) that is read back later without a sync.
+Every pass goes through one wrapper of the engine's entry (`engine`), which
+costs two clock reads and one record on ordinary passes. Every Nth pass
+(`schedule`) it hooks the graph's nodes for timing (`nodes`), and after passes
+that accumulate into `.grad` it queues a device-side non-finite check
+(`nonfinite`) that is read back later without a sync.
 """
 
 from __future__ import annotations
@@ -17,22 +14,22 @@ import logging
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.autograd
-import torch.autograd.graph
+from torch.optim import Optimizer
 
 from torchpulse.bounds import TokenBucket
+from torchpulse.limits import MAX_GRAPH_DEPTH
 from torchpulse.probes.agent.logs import get_logger
 from torchpulse.probes.agent.probe import Probe
 from torchpulse.probes.agent.store import BoundedLabel
 from torchpulse.probes.autograd.config import AutogradConfig
+from torchpulse.probes.autograd.engine import EngineHook
 from torchpulse.probes.autograd.names import NameResolver
 from torchpulse.probes.autograd.nodes import (
-    MAX_GRAPH_DEPTH,
     NodeTime,
     PassTimer,
     PassTiming,
@@ -41,6 +38,7 @@ from torchpulse.probes.autograd.nodes import (
     roots_of,
 )
 from torchpulse.probes.autograd.nonfinite import CheckResult, GradCheck, merge
+from torchpulse.probes.autograd.schedule import PassPlan, PassSchedule
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 from torchpulse.probes.torch_compat import features
 
@@ -49,8 +47,6 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.probes")
 
-# Passes between parameter discoveries when node timing is switched off.
-DISCOVER_EVERY = 100
 # Fewest passes between the searches that a dropped model's parameters trigger.
 LOST_SEARCH_EVERY = 10
 # Warnings about non-finite passes: the first few in full, then one a minute. A job whose loss
@@ -62,30 +58,6 @@ NONFINITE_LOG_INTERVAL = 60.0
 PASS_KINDS = ("backward", "grad", "compiled_autograd", "reentrant")
 # Non-traced tensor types take the fast path; anything else is checked for fake/functional.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-class _Patch:
-    """Replaces a module attribute; `remove()` restores it unless someone patched over us."""
-
-    def __init__(self, owner: Any, attr: str, replacement: Callable[..., Any]) -> None:
-        self._owner, self._attr, self._replacement = owner, attr, replacement
-        self.original: Callable[..., Any] = getattr(owner, attr)
-        setattr(owner, attr, replacement)
-
-    def remove(self) -> None:
-        # A later patcher captured our wrapper; it passes through once we are disabled.
-        if getattr(self._owner, self._attr) is self._replacement:
-            setattr(self._owner, self._attr, self.original)
-
-
-@dataclass
-class _Plan:
-    kind: str
-    index: int
-    accumulate: bool
-    timer: PassTimer | None = None
-    sampled: bool = False
-    logged: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,65 +78,42 @@ class AutogradProbe(Probe):
     def __init__(self, agent: Agent) -> None:
         super().__init__(agent)
         self.config = AutogradConfig.from_options(agent.config.options)
-        self._sample_every = self.config.sample_every
-        self._countdown = 0  # the first pass is timed: it also discovers the parameters
-        self._due_passes = 0
-        self._log_left = self.config.log_passes
-        self._control: dict[str, int] = {}
-        self._passes = 0
+        self._schedule = PassSchedule(
+            self.config.sample_every,
+            self.config.log_passes,
+            functools.partial(self.start_at_zero, "autograd_sampled_passes_total"),
+        )
         self._discovered = False
         self._lost_search_at = -LOST_SEARCH_EVERY
         self._check = GradCheck(self.config.max_pending_checks)
         # Optimizer -> parameter groups already tracked: graph walks find parameters only on
         # sampled passes, so a second model (a GAN's generator, a rebuilt model) or the inside
         # of a reentrant checkpoint would go unchecked for up to N passes, or for ever.
-        self._optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._optimizers: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
         self._names = NameResolver()
         self._node_label = BoundedLabel(self.config.top_nodes)
         self._torch_logging_noted = False
         self._deep_graph_noted = False
         self._nonfinite_log = TokenBucket(1 / NONFINITE_LOG_INTERVAL, NONFINITE_LOG_BURST, time.monotonic())
-        # Set once Dynamo is loaded (`_keep_dynamo_out`): its frame callback (None outside
-        # compiled code), and the probe's work behind torch.compiler.disable for passes
-        # that start inside compiled code.
-        self._dynamo_callback: Callable[[], object] | None = None
-        self._begin_untraced: Callable[[Sequence[Any], tuple[Any, ...], dict[str, Any]], _Plan | None] = self._begin
-        self._end_untraced: Callable[[_Plan, float, bool], None] = self._end
+        self._engine = EngineHook[PassPlan](self, agent, self._begin, self._end)
         self.last_sample: SampledPass | None = None
 
     # -- live control (applied at the next pass boundary) -------------------
     def set_sample_every(self, every: int) -> None:
         """Time the nodes of every `every`th pass from the next pass on; 0 switches timing off."""
-        if every < 0:
-            raise ValueError("sample_every must be >= 0")
-        self._control["sample_every"] = every
+        self._schedule.set_sample_every(every)
 
     def log_next_passes(self, passes: int) -> None:
         """Emit one structured event per executed node for the next `passes` passes."""
-        if passes < 0:
-            raise ValueError("log_next_passes needs passes >= 0")
-        self._control["log_passes"] = passes
-
-    def _apply_control(self) -> None:
-        # pop() is atomic, so a request arriving from the control thread meanwhile is kept.
-        sample_every = self._control.pop("sample_every", None)
-        if sample_every is not None:
-            self._sample_every = sample_every
-            if sample_every > 0:
-                self.start_at_zero("autograd_sampled_passes_total")
-            # A shorter period takes effect now, not after the old countdown.
-            self._countdown = min(self._countdown, (sample_every or DISCOVER_EVERY) - 1)
-        log_passes = self._control.pop("log_passes", None)
-        if log_passes is not None:
-            self._log_left = log_passes
+        self._schedule.log_next_passes(passes)
 
     def status(self) -> dict[str, object]:
         """Plain values for `torchpulse status`: settings and the last timed pass."""
-        sample = self.last_sample
+        sample, schedule = self.last_sample, self._schedule
         return {
-            "passes": self._passes,
-            "sample_every": self._sample_every,
-            "logging_passes_left": self._log_left,
+            "passes": schedule.passes,
+            "sample_every": schedule.sample_every,
+            "logging_passes_left": schedule.log_left,
             "parameters_checked": self._check.known,
             "last_sampled_pass": None
             if sample is None
@@ -179,18 +128,9 @@ class AutogradProbe(Probe):
 
     # -- install ------------------------------------------------------------
     def _install(self) -> None:
-        graph_patch = _Patch(
-            torch.autograd.graph, "_engine_run_backward", self._wrap(torch.autograd.graph._engine_run_backward)
-        )
-        self._keep(graph_patch)
-        # Usually the same function; wrap separately if someone patched only one.
-        current = torch.autograd._engine_run_backward  # type: ignore[attr-defined]
-        same = current is graph_patch.original
-        wrapper = graph_patch._replacement if same else self._wrap(current)
-        self._keep(_Patch(torch.autograd, "_engine_run_backward", wrapper))
-        self._install_after_import(
-            dynamo_compat.DYNAMO, functools.partial(self._keep_dynamo_out, graph_patch._replacement, wrapper)
-        )
+        for patch in self._engine.install():
+            self._keep(patch)
+        self._install_after_import(dynamo_compat.DYNAMO, self._engine.keep_dynamo_out)
         if self.config.nonfinite:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -205,28 +145,10 @@ class AutogradProbe(Probe):
         self.start_at_zero("backward_passes_total", tuple((kind,) for kind in PASS_KINDS))
         if self.config.nonfinite:
             self.start_at_zero("grad_nonfinite_passes_total")
-        if self._sample_every > 0:  # else at 0 once `set_sample_every` switches timing on
+        if self._schedule.sample_every > 0:  # else at 0 once `set_sample_every` switches timing on
             self.start_at_zero("autograd_sampled_passes_total")
 
-    def _keep_dynamo_out(self, *wrappers: Callable[..., Any]) -> None:
-        """Run the wrappers and the probe's work eagerly even under a compiled step.
-
-        A graph break at `loss.backward()` inside a compiled function leaves the
-        frames below it to Dynamo: it would trace the wrapper, read is_compiling()
-        as True there and run the pass uncounted. The frames of the wrapper and of
-        the node hooks are skipped (no cost in eager mode, and the engine's frames
-        below are left as they would be without us); the probe's work between them
-        goes through torch.compiler.disable when Dynamo's frame callback is set
-        (~2 µs a pass, only for passes started inside compiled code).
-        """
-        for wrapper in set(wrappers):
-            dynamo_compat.skip_tracing(wrapper)
-        PassTimer.keep_dynamo_out()
-        self._begin_untraced = dynamo_compat.disable_tracing(self._begin)
-        self._end_untraced = dynamo_compat.disable_tracing(self._end)
-        self._dynamo_callback = dynamo_compat.dynamo_frame_callback_getter()
-
-    def _track_optimizer(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _track_optimizer(self, optimizer: Optimizer, _args: tuple[object, ...], _kwargs: dict[str, object]) -> None:
         """Check every parameter an optimizer steps, from its first step on (one lookup per step)."""
         groups = len(optimizer.param_groups)
         if self._optimizers.get(optimizer) == groups:
@@ -244,74 +166,35 @@ class AutogradProbe(Probe):
         self._discovered = False
         self.last_sample = None
 
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        probe, agent = self, self.agent
-        is_compiling, clock = torch.compiler.is_compiling, time.perf_counter
-
-        @functools.wraps(original)
-        def _engine_run_backward(t_outputs: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
-            # AOTAutograd traces the joint graph through here at compile time.
-            if not (probe.enabled and agent.enabled) or is_compiling():
-                return original(t_outputs, *args, **kwargs)
-            callback = probe._dynamo_callback
-            traced = callback is not None and callback() is not None
-            plan = (probe._begin_untraced if traced else probe._begin)(t_outputs, args, kwargs)
-            if plan is None:
-                return original(t_outputs, *args, **kwargs)
-            start = clock()
-            ok = False
-            try:
-                result = original(t_outputs, *args, **kwargs)
-                ok = True
-                return result
-            finally:
-                (probe._end_untraced if traced else probe._end)(plan, clock() - start, ok)
-
-        return _engine_run_backward
-
     # -- training thread ----------------------------------------------------
-    def _begin(self, t_outputs: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan | None:
+    def _begin(
+        self, t_outputs: Sequence[object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> PassPlan | None:
         try:
             return self._plan(t_outputs, args, kwargs)
         except Exception as exc:  # probe bugs must never reach the job
             self.fail(exc)
             return None
 
-    def _plan(self, t_outputs: Sequence[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan | None:
+    def _plan(
+        self, t_outputs: Sequence[object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> PassPlan | None:
         first = t_outputs[0] if len(t_outputs) else None
         if first is not None and type(first) not in _PLAIN and _is_traced(first):
             return None
         if torch._C._current_autograd_node() is not None:
             # A pass started inside a node (reentrant checkpointing): its time is the node's.
-            return _Plan("reentrant", -1, accumulate=False)
+            return PassPlan("reentrant", -1, accumulate=False)
         compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
         compiled = bool(getattr(compiled_autograd, "compiled_autograd_enabled", False))
         accumulate = bool(kwargs.get("accumulate_grad", args[5] if len(args) > 5 else True))
         kind = "compiled_autograd" if compiled else ("backward" if accumulate else "grad")
-        if self._control:
-            self._apply_control()
-        plan = _Plan(kind, self._passes, accumulate)
-        self._passes += 1
-        self._countdown -= 1
-        due = self._countdown < 0
-        if due:
-            # Periods alternate N+1 and N-1 (N on average): a job alternating graphs (a GAN's two
-            # passes) with a period dividing N would otherwise have only one of them ever timed
-            # or searched for parameters.
-            period = self._sample_every or DISCOVER_EVERY
-            self._due_passes += 1
-            jitter = (1 if self._due_passes % 2 else -1) if period > 1 else 0
-            self._countdown = period - 1 + jitter
-        # Compiled autograd: hooks would be traced into its graph and change its
-        # cache key, so its passes are neither timed nor logged (reading is fine).
-        plan.logged = not compiled and self._log_left > 0 and not self._torch_logs_nodes()
-        if self._log_left > 0 and not compiled:
-            self._log_left -= 1
-        plan.sampled = not compiled and due and self._sample_every > 0
+        plan = self._schedule.plan(kind, accumulate, compiled)
+        plan.logged = plan.logged and not self._torch_logs_nodes()
         # A dropped model's parameters died: search this pass for a rebuilt one (not more often
         # than every few passes, for jobs that make new Parameters every step).
         lost = accumulate and self._check.lost and plan.index - self._lost_search_at >= LOST_SEARCH_EVERY
-        discover = accumulate and self.config.nonfinite and (due or lost or not self._discovered)
+        discover = accumulate and self.config.nonfinite and (plan.due or lost or not self._discovered)
         if discover:
             self._check.lost = False
         if lost:
@@ -355,7 +238,7 @@ class AutogradProbe(Probe):
             )
         return True
 
-    def _end(self, plan: _Plan, seconds: float, ok: bool) -> None:
+    def _end(self, plan: PassPlan, seconds: float, ok: bool) -> None:
         try:
             timing = plan.timer.finish(self.config.slowest_kept) if plan.timer is not None else None
             self.agent.record(self._on_pass, plan.kind, seconds)
@@ -435,7 +318,7 @@ def _ignore(_param: torch.Tensor) -> None:
     pass
 
 
-def _is_traced(tensor: Any) -> bool:
+def _is_traced(tensor: object) -> bool:
     """Fake or functional tensors: a compile-time trace, not a pass of the job."""
     if not isinstance(tensor, torch.Tensor):
         return False  # a GradientEdge (pipelining's weight backward), not a tensor

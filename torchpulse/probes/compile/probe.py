@@ -15,6 +15,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from torchpulse.limits import MAX_COMPILE_FRAMES, MAX_GRAPH_BREAK_KINDS
 from torchpulse.probes.agent.config import int_option
 from torchpulse.probes.agent.logs import get_logger
 from torchpulse.probes.agent.probe import Probe
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
 
 log = get_logger("torchpulse.probes")
 DEFAULT_TOP_K = 20
-# Graph-break types come from Dynamo's registry (a few hundred); bound anyway.
-KIND_LIMIT = 50
-# Frame ids are per code object; forget them all if a job churns through code.
-MAX_FRAMES = 4096
 # The `status` values of compile_frames_total.
 FRAME_STATUSES = ("ok", "failed")
 
@@ -152,7 +149,7 @@ class CompileProbe(Probe):
     def _reset_state(self) -> None:
         self._functions = BoundedLabel(self._top_k)
         self._locations = BoundedLabel(self._top_k)
-        self._kinds = BoundedLabel(KIND_LIMIT)
+        self._kinds = BoundedLabel(MAX_GRAPH_BREAK_KINDS)
         self._frames: dict[str, str] = {}
 
     def _install(self) -> None:
@@ -237,7 +234,7 @@ class CompileProbe(Probe):
     def _function_of(self, c: Compilation) -> str:
         frame_id = frame_of(c.compile_id)
         if c.co_name is not None:
-            if len(self._frames) >= MAX_FRAMES:
+            if len(self._frames) >= MAX_COMPILE_FRAMES:
                 self._frames.clear()
             self._frames[frame_id] = function_label(c.co_name, c.co_filename, c.co_firstlineno)
         # A recompile-limit hit carries no code name; its frame id names the function.
