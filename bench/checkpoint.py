@@ -228,27 +228,27 @@ def bench_metadata(tmp: Path, n_chunks: int) -> list[str]:
 
 
 def c_parts_built() -> bool:
-    from torchpulse.checkpoints import native
+    from torchpulse.checkpoints import metaparse
     from torchpulse.checkpoints.rules import kernels
 
-    return native._metaparse is not None and kernels._kernels is not None
+    return metaparse._metaparse is not None and kernels._kernels is not None
 
 
 @contextlib.contextmanager
 def without_c(reader: bool = False, rule_kernels: bool = False) -> Iterator[None]:
     """The validator without its C reader of `.metadata` or its rule kernels (both: no C compiler at install)."""
-    from torchpulse.checkpoints import native
+    from torchpulse.checkpoints import metaparse
     from torchpulse.checkpoints.rules import kernels
 
-    saved = native._metaparse, kernels._kernels
+    saved = metaparse._metaparse, kernels._kernels
     if reader:
-        native._metaparse = None
+        metaparse._metaparse = None
     if rule_kernels:
         kernels._kernels = None
     try:
         yield
     finally:
-        native._metaparse, kernels._kernels = saved
+        metaparse._metaparse, kernels._kernels = saved
 
 
 def bench_tiling() -> list[str]:

@@ -5,7 +5,7 @@ Run: `.venv/bin/python fuzz/fuzz_metadata.py -max_total_time=60 [libFuzzer flags
 A crash is: the unpickler doing anything an attacker wants (an audit event for
 a process, exec, compile, import or open while it runs), raising MemoryError
 or OSError (the reader would report "cannot tell" instead of "invalid"), the C
-reader (`native.parse`) disagreeing with the Python path it stands in for, the
+reader (`metaparse.parse`) disagreeing with the Python path it stands in for, the
 reader raising instead of returning a finding, or a rule raising on metadata
 the reader accepted. Known, reported bugs are counted
 and printed once instead (see fuzz/common.py; FUZZ_STRICT=1 crashes on them).
@@ -28,7 +28,7 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 with atheris.instrument_imports(include=["torchpulse.checkpoints"]):
-    from torchpulse.checkpoints import native
+    from torchpulse.checkpoints import metaparse
     from torchpulse.checkpoints.reader import extract_standins, read_checkpoint
     from torchpulse.checkpoints.unpickler import load_metadata
     from torchpulse.checkpoints.validate import metadata_findings
@@ -76,7 +76,7 @@ def test_one_input(data: bytes) -> None:
     _violations.clear()
     _unpickling = True
     try:
-        fast = native.parse(data)
+        fast = metaparse.parse(data)
         standins = load_metadata(data)
     except MemoryError as exc:
         # A length prefix (BINBYTES8) or memo index (LONG_BINPUT) larger than memory.

@@ -7,7 +7,7 @@ import sysconfig
 
 import pytest
 
-from torchpulse.checkpoints import native
+from torchpulse.checkpoints import metaparse
 from torchpulse.checkpoints.rules import kernels
 
 
@@ -15,5 +15,5 @@ def test_the_c_modules_are_built_where_a_compiler_is() -> None:
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if shutil.which(cc) is None:
         pytest.skip(f"no C compiler ({cc}): the Python paths run")
-    assert native._metaparse is not None  # the .metadata reader
+    assert metaparse._metaparse is not None  # the .metadata reader
     assert kernels._kernels is not None  # the per-chunk rules' fast accepts

@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from tests.support import parse_exposition, select
 from torchpulse.catalog import HISTOGRAM_BOUNDS
-from torchpulse.daemon.buckets import Refused, bucket_map, plan_for, rebucket
+from torchpulse.daemon.histogram_layouts import Refused, bucket_map, plan_for, rebucket
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.prometheus import build_exposition
 from torchpulse.limits import MAX_HISTOGRAM_BOUNDS

@@ -18,7 +18,8 @@ from operator import itemgetter, methodcaller
 from pathlib import Path
 from typing import Any
 
-from torchpulse.checkpoints import native
+from torchpulse.checkpoints import metaparse
+from torchpulse.checkpoints.metaparse import Extracted, Item
 from torchpulse.checkpoints.model import (
     DATA_SUFFIXES,
     Checkpoint,
@@ -28,7 +29,6 @@ from torchpulse.checkpoints.model import (
     StorageEntry,
     TensorEntry,
 )
-from torchpulse.checkpoints.native import Extracted, Item
 from torchpulse.checkpoints.unpickler import (
     DEFAULT_METADATA_SIZE_CAP,
     BytesStorageMetadataStandIn,
@@ -144,7 +144,7 @@ def parse_metadata_file(path: Path, size_cap: int = DEFAULT_METADATA_SIZE_CAP) -
     if len(data) > size_cap:
         raise ValueError(f"{path.name} is larger than the {size_cap} byte cap")
     with gc_paused():
-        return native.parse(data) or load_metadata(data)
+        return metaparse.parse(data) or load_metadata(data)
 
 
 def read_checkpoint(path: str | os.PathLike[str], size_cap: int = DEFAULT_METADATA_SIZE_CAP) -> ReadOutcome:

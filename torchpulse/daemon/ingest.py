@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.buckets import Refused, rebucket
+from torchpulse.daemon.histogram_layouts import Refused, rebucket
 from torchpulse.daemon.runs import COUNTER_FAMILIES, RankState, RunState
 from torchpulse.limits import MAX_LABEL_CHARS
 from torchpulse.protocol import Batch

@@ -12,7 +12,7 @@ from collections import Counter
 
 import structlog
 
-from torchpulse.daemon.buckets import BucketPlan, Refused, plan_for
+from torchpulse.daemon.histogram_layouts import BucketPlan, Refused, plan_for
 from torchpulse.daemon.ingest import apply_batch
 from torchpulse.daemon.peercred import Peer, still_running
 from torchpulse.daemon.runs import RankState, RunState

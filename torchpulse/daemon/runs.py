@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from torchpulse.catalog import CATALOG
-from torchpulse.daemon.buckets import BucketPlan
+from torchpulse.daemon.histogram_layouts import BucketPlan
 from torchpulse.daemon.peercred import Peer
 from torchpulse.protocol import Hello
 

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torchpulse.checkpoints import native
+from torchpulse.checkpoints import metaparse
+from torchpulse.checkpoints.metaparse import Extracted
 from torchpulse.checkpoints.model import Checkpoint, Chunk, FileInfo, Format, Level, StorageEntry, TensorEntry
-from torchpulse.checkpoints.native import Extracted
 from torchpulse.checkpoints.reader import extract_standins, gc_paused
 from torchpulse.checkpoints.rules import commit, kernels
 from torchpulse.checkpoints.unpickler import load_metadata
@@ -48,7 +48,7 @@ def reference(data: bytes) -> Extracted | Exception:
 
 def agrees(data: bytes) -> Extracted | None:
     """The C reader's answer, checked against the Python path's: equal (repr: types too), or a decline."""
-    fast = native.parse(data)
+    fast = metaparse.parse(data)
     if fast is not None:
         expected = reference(data)
         assert not isinstance(expected, Exception), f"C accepted what Python refuses: {expected!r}"
@@ -188,13 +188,13 @@ def test_a_key_given_twice_is_left_to_python() -> None:
     item = _global(_DCP, b"BytesStorageMetadata") + b")\x81"
     state = b"}(" + _str(b"state_dict_metadata") + b"}(" + _str(b"a") + item + _str(b"a") + item + b"uu"
     data = EMPTY_METADATA + state + b"b."
-    assert native.parse(data) is None
+    assert metaparse.parse(data) is None
     assert isinstance(reference(data), Extracted)
 
 
 def test_a_refused_global_is_declined_and_python_refuses_it() -> None:
     data = b"\x80\x04" + _global(b"os", b"system") + _str(b"true") + b"\x85R."
-    assert native.parse(data) is None
+    assert metaparse.parse(data) is None
     assert isinstance(reference(data), Exception)
 
 
@@ -228,7 +228,7 @@ def test_a_chunk_list_shared_by_many_tensors_is_declined_quickly() -> None:
     data = b"\x80\x04" + chunks + EMPTY_METADATA[2:] + b"}(" + _str(b"state_dict_metadata") + b"}(" + items + b"uub."
     started = time.monotonic()
     with gc_paused():  # as the reader calls it
-        assert native.parse(data) is None
+        assert metaparse.parse(data) is None
     # About 0.1 s (0.5 million chunks built before it stops); the unbounded 40 million, a minute and 4 GB.
     assert time.monotonic() - started < 10
 
@@ -237,7 +237,7 @@ def test_a_chunk_list_shared_by_many_tensors_is_declined_quickly() -> None:
 
 
 def _without_c(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_metaparse", None)
+    monkeypatch.setattr(metaparse, "_metaparse", None)
     monkeypatch.setattr(kernels, "_kernels", None)
 
 
