@@ -52,8 +52,8 @@ def launch_env(base: Mapping[str, str], socket: str | None, run_name: str | None
 
 def probes_error(probes: str | None) -> str | None:
     """Why `--probes` cannot be used, or None: a typo caught here, not as one log line per rank later."""
-    from torchpulse.probes.agent.config import probe_names
-    from torchpulse.probes.families import FAMILIES
+    from torchpulse.probes.agent.config import known_list, probe_names, unknown_probe_error
+    from torchpulse.probes.families import FAMILY_TABLE
 
     if probes is None:
         return None
@@ -61,10 +61,10 @@ def probes_error(probes: str | None) -> str | None:
     if not names:
         # Not what the user meant: the agent reads an empty TORCHPULSE_PROBES as the defaults, and a
         # list of blanks (" , ") as no probe at all.
-        return f"--probes names no probe (known: {', '.join(sorted(FAMILIES))})"
-    unknown = [name for name in names if name not in FAMILIES]
-    if unknown:
-        return f"unknown probe {unknown[0]!r} in --probes (known: {', '.join(sorted(FAMILIES))})"
+        return f"--probes names no probe (known: {known_list(FAMILY_TABLE.known)})"
+    for name in names:
+        if (error := unknown_probe_error(name, FAMILY_TABLE.known, option="--probes")) is not None:
+            return error
     return None
 
 

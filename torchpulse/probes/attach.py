@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchpulse.probes.agent import exit_status
 from torchpulse.probes.agent.agent import Agent
@@ -54,7 +54,7 @@ def attach(
     probes: tuple[str, ...] | list[str] | None = None,
     socket: str | None = None,
     run: str | None = None,
-    **config: Any,
+    **config: object,
 ) -> Agent | None:
     """Start this process's agent and install the probes (all configured ones by default).
 

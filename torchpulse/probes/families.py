@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Final
 
-from torchpulse.probes.agent.config import OptionError
+from torchpulse.probes.agent.config import OptionError, unknown_probe_error
 from torchpulse.probes.agent.logs import get_logger
 
 if TYPE_CHECKING:
@@ -38,10 +38,10 @@ class Families:
 
     def make(self, name: str, agent: Agent) -> Probe | None:
         """A new probe of family `name`, or None (logged) where it is unknown, misconfigured or cannot run."""
-        target = FAMILIES.get(name)
-        if target is None:
-            log.warning("unknown probe; skipped", probe=name, known=",".join(sorted(FAMILIES)))
+        if (error := unknown_probe_error(name, self.known)) is not None:
+            log.warning("unknown probe; skipped", probe=name, error=error)
             return None
+        target = FAMILIES[name]
         # Here, not at the top: `torchpulse run` checks `--probes` against this table without importing torch.
         from torchpulse.probes.agent.probe import Probe
 

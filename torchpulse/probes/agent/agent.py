@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol, TypeVarTuple
 
 from torchpulse.limits import MAX_FIELD_CHARS, MAX_REQUESTED_EVENTS
 from torchpulse.probes.agent.config import AgentConfig
@@ -24,7 +25,18 @@ from torchpulse.probes.agent.store import MetricStore
 from torchpulse.protocol import FieldValue, LogEvent
 
 log = get_logger("torchpulse.agent")
-Record = tuple[Callable[..., None], tuple[object, ...]]
+Payload = TypeVarTuple("Payload")
+
+
+class _Handler(Protocol):
+    """A queued record's handler, as the buffer holds it: `record` checked that it takes its own payload,
+    the one thing `_drain` ever calls it with. A buffer of records of every payload type has no closer
+    static type (Python's types have no "some payload, the handler's own")."""
+
+    def __call__(self, *payload: object) -> None: ...
+
+
+Record = tuple[_Handler, tuple[object, ...]]
 # The `reason` values of agent_events_dropped_total, in the order `_sync_drop_counters` reads them.
 DROP_REASONS = ("buffer_full", "events_overflow", "oversized")
 
@@ -75,17 +87,17 @@ class Agent:
         self._lock = threading.Lock()
 
     # -- hot path -----------------------------------------------------------
-    def record(self, handler: Callable[..., None], *payload: object) -> None:
+    def record(self, handler: Callable[[*Payload], None], *payload: *Payload) -> None:
         """Queue `handler(*payload)` for the sender thread; drop (counted) when full."""
         if len(self._buffer) < self._capacity:
-            self._buffer.append((handler, payload))
+            self._buffer.append((handler, payload))  # type: ignore[arg-type]  # see _Handler
         else:
             self._buffer_drops += 1
 
-    def record_quiet(self, handler: Callable[..., None], *payload: object) -> None:
+    def record_quiet(self, handler: Callable[[*Payload], None], *payload: *Payload) -> None:
         """Like `record`, for bookkeeping that alone must not make the process connect."""
         if len(self._quiet) < self._capacity:
-            self._quiet.append((handler, payload))
+            self._quiet.append((handler, payload))  # type: ignore[arg-type]  # see _Handler
         else:
             self._buffer_drops += 1
 

@@ -14,6 +14,7 @@ from collections.abc import Collection
 
 from torchpulse.limits import MAX_LOG_PASSES, MAX_TRACE_STEPS, MIN_SAMPLE_RATE
 from torchpulse.probes.agent import trace_capture
+from torchpulse.probes.agent.config import unknown_probe_error
 from torchpulse.protocol import CALLER_UID_ARG, Command
 
 
@@ -33,8 +34,8 @@ def check_arguments(command: Command, probes: Collection[str]) -> int | None:
         probe = args.get("probe")
         if not isinstance(probe, str) or not probe:
             raise CommandFailed("missing argument: probe")
-        if probe not in probes:
-            raise CommandFailed(f"unknown probe {probe[:64]!r} (known: {', '.join(sorted(probes))})")
+        if (error := unknown_probe_error(probe, probes)) is not None:
+            raise CommandFailed(error)
     if name == "sample":
         rate = args.get("rate")
         if (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +88,22 @@ class AgentConfig:
 def probe_names(text: str) -> tuple[str, ...]:
     """The probes a comma-separated list names (TORCHPULSE_PROBES, `torchpulse run --probes`), blanks dropped."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def unknown_probe_error(name: str, known: Collection[str], *, option: str | None = None) -> str | None:
+    """None when `name` is one of the `known` probe names; else what to tell the user (`option`: where it came from).
+
+    The agent core gets `known` from the probe families' table (`ProbeFactory.known`), never by importing it.
+    """
+    if name in known:
+        return None
+    source = f" in {option}" if option is not None else ""
+    return f"unknown probe {name[:64]!r}{source} (known: {known_list(known)})"
+
+
+def known_list(known: Collection[str]) -> str:
+    """Probe names as the user reads them in a message: "autograd, checkpoint, ..."."""
+    return ", ".join(sorted(known))
 
 
 def _seconds(raw: str, variable: str) -> float:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from torchpulse.limits import MAX_PENDING_COMMANDS
 from torchpulse.probes.agent import trace_capture
 from torchpulse.probes.agent.commands import CommandFailed, check_arguments
+from torchpulse.probes.agent.config import unknown_probe_error
 from torchpulse.probes.agent.logs import get_logger
 from torchpulse.probes.agent.step_boundary import StepBoundary
 from torchpulse.probes.agent.traces import Data, TraceRunner
@@ -154,8 +155,8 @@ class Control:
             return {"probe": name, "changed": False}
         if probe is None:
             families = self.agent.families
-            if name not in families.known:
-                raise CommandFailed(f"unknown probe {name!r} (known: {', '.join(sorted(families.known))})")
+            if (error := unknown_probe_error(name, families.known)) is not None:
+                raise CommandFailed(error)
             probe = families.make(name, self.agent)
             if probe is None:
                 raise CommandFailed(f"probe {name!r} is not available on this torch")

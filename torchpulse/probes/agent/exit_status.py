@@ -19,14 +19,24 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import NoReturn, Protocol, cast
 
 from torchpulse.limits import MAX_CAUSE_CHARS
 
+ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
+
+
+class Exit(Protocol):
+    """`sys.exit` as CPython has it: a status of any object (printed, status 1), or none."""
+
+    def __call__(self, *status: object) -> NoReturn: ...
+
+
 _failure: str | None = None
 # (our excepthook, the one it chains to, our exit, the one it calls), while installed.
-_installed: tuple[Any, Any, Any, Any] | None = None
+_installed: tuple[ExceptHook, ExceptHook, Exit, Exit] | None = None
 
 
 def failure() -> str | None:
@@ -40,21 +50,22 @@ def install() -> None:
     if _installed is not None:
         return
     previous_hook = sys.excepthook
-    previous_exit: Any = sys.exit  # typed to take str | int | None: the job may pass any object
+    # typeshed has sys.exit take `str | int | None`; CPython's takes any object, and the job may pass one.
+    previous_exit = cast(Exit, sys.exit)
 
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):
             _note(exc_type.__name__)
         previous_hook(exc_type, exc, tb)
 
-    def exit(*status: object) -> Any:
+    def exit(*status: object) -> NoReturn:
         # SystemExit in another thread ends only that thread; the process's status is the main thread's.
         # Nor does one in an atexit callback (the main thread has ended by then): Python prints it and
         # exits with the status it already had.
         main = threading.main_thread()
         if status and _fails(status[0]) and threading.current_thread() is main and main.is_alive():
             _note(f"sys.exit({status[0]!r})")
-        return previous_exit(*status)
+        previous_exit(*status)
 
     sys.excepthook, sys.exit = excepthook, exit
     _installed = (excepthook, previous_hook, exit, previous_exit)

@@ -8,14 +8,13 @@ setup decides where they go, and an unconfigured process shows warnings only.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import structlog
 
 _renderer = structlog.processors.KeyValueRenderer(key_order=["event"], drop_missing=True)
 
 
-def _render(_logger: Any, _method: str, event_dict: structlog.typing.EventDict) -> str:
+def _render(_logger: object, _method: str, event_dict: structlog.typing.EventDict) -> str:
     event = str(event_dict.pop("event", ""))
     rest = _renderer(_logger, _method, event_dict) if event_dict else ""
     return f"torchpulse: {event}" + (f" ({rest})" if rest else "")

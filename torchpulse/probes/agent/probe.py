@@ -8,7 +8,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, ParamSpec, Protocol, TypeVar, TypeVarTuple
 
 from torchpulse.limits import MAX_TRACEBACK_CHARS
 from torchpulse.probes.agent.after_import import AfterImport
@@ -21,11 +21,19 @@ if TYPE_CHECKING:
     from torchpulse.probes.agent.agent import Agent
 
 log = get_logger("torchpulse.probes")
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+Args = TypeVarTuple("Args")
 
 
 class Removable(Protocol):
     def remove(self) -> None: ...
+
+
+class _Detachable(Protocol):
+    """A `weakref.finalize` of any callback, as `discard` sees it."""
+
+    def detach(self) -> object: ...
 
 
 class ProbeFactory(Protocol):
@@ -61,7 +69,7 @@ class Probe:
         self._handles: list[Removable] = []
         self._handle: ProbeHandle | None = None
         # Finalizers on the job's objects (optimizers), per object: `discard` detaches them.
-        self._finalizers: weakref.WeakKeyDictionary[Any, list[weakref.finalize[..., Any]]] = weakref.WeakKeyDictionary()
+        self._finalizers: weakref.WeakKeyDictionary[object, list[_Detachable]] = weakref.WeakKeyDictionary()
 
     def install(self) -> ProbeHandle:
         if self._handle is not None:
@@ -94,7 +102,7 @@ class Probe:
         for handle in reversed(handles):
             handle.remove()
 
-    def at_death(self, obj: Any, callback: Callable[..., Any], *args: Any) -> None:
+    def at_death(self, obj: object, callback: Callable[[*Args], object], *args: *Args) -> None:
         """Call `callback(*args)` when `obj` (an object of the job's) dies, unless this probe is discarded first."""
         self._finalizers.setdefault(obj, []).append(weakref.finalize(obj, callback, *args))
 
@@ -191,8 +199,8 @@ class Probe:
     def _count_error(self) -> None:
         self.agent.store.inc("agent_probe_errors_total", (self.name,))
 
-    def guard(self, hook: F, *, traceable: bool = True) -> F:
-        """Wrap a hook so it is skipped when disabled, never raises, and never breaks a graph.
+    def guard(self, hook: Callable[P, R], *, traceable: bool = True) -> Callable[P, R | None]:
+        """Wrap a hook so it is skipped when disabled (None), never raises (None), and never breaks a graph.
 
         `traceable=False` for hooks no compiled code can call (the checkpoint probe's, around
         a save): they skip the Dynamo layer, which imports torch._dynamo (~0.7 s) at the first
@@ -201,7 +209,7 @@ class Probe:
         agent = self.agent
 
         @functools.wraps(hook)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> R | None:
             if not (self.enabled and agent.enabled):
                 return None
             enter_hook()
@@ -214,7 +222,7 @@ class Probe:
                 leave_hook()
 
         if not traceable:
-            return guarded  # type: ignore[return-value]
+            return guarded
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.
-        return disable_tracing(guarded)  # type: ignore[return-value]
+        return disable_tracing(guarded)

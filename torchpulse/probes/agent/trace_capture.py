@@ -25,10 +25,13 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from torchpulse.limits import MAX_RUN_CHARS_IN_NAME, MAX_TRACE_DIR_CHARS
 from torchpulse.protocol import Command
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 # A directory opened for a trace: never blocks on a FIFO, never leaks into a child the job forks.
 _OPEN_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -42,7 +45,7 @@ class Trace:
     out: Path
     # `out` opened when the trace was accepted: the file goes into this directory, wherever `out` points by then.
     dir_fd: int
-    profiler: Any = None
+    profiler: profile | None = None
 
     @property
     def last_step(self) -> int:
@@ -127,7 +130,7 @@ def _check_foreign_dir(fd: int, out: str, caller: int) -> None:
         )
 
 
-def start_profiler() -> Any:
+def start_profiler() -> profile:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,13 +142,13 @@ def start_profiler() -> Any:
     return profiler
 
 
-def stop_quietly(profiler: Any) -> None:
+def stop_quietly(profiler: profile) -> None:
     with contextlib.suppress(Exception):  # already broken; the failure is reported by the caller
         profiler.stop()
     release(profiler)
 
 
-def release(profiler: Any) -> None:
+def release(profiler: profile | None) -> None:
     """Free the recorded events now, and with them Kineto's handle on a file it failed to write.
 
     `torch.profiler.profile` is in a reference cycle (its action map holds its own bound methods), so
@@ -153,7 +156,8 @@ def release(profiler: Any) -> None:
     a full garbage collection, which a training loop may not run for a long time.
     """
     with contextlib.suppress(Exception):
-        profiler.profiler = None
+        if profiler is not None:
+            profiler.profiler = None
 
 
 def write(trace: Trace, run: str, rank: int) -> Path:
@@ -164,6 +168,8 @@ def write(trace: Trace, run: str, rank: int) -> Path:
         f"{secrets.token_hex(4)}.json"
     )
     path = trace.out / name
+    if trace.profiler is None:
+        raise RuntimeError("the profiler of this trace never started")
     trace.profiler.export_chrome_trace(f"{_through(trace.dir_fd)}/{name}")
     # Kineto logs a failed write (full disk, a directory gone or read-only) and returns as if it had written.
     try:

@@ -14,11 +14,14 @@ import types
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, ParamSpec, TypeVar
 
 import torch
 
 from torchpulse.probes.torch_compat.features import register
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # `record_compilation_metrics` ends with `log_compilation_event(metrics)`, which
 # logs the CompilationMetrics object at INFO here (record.args[0]).
@@ -102,7 +105,7 @@ _TORCH_DIR = Path(torch.__file__).resolve().parent
 TRACING_WRAPPER_PATHS: Final = (str(_TORCH_DIR / "_dynamo"), str(_TORCH_DIR / "_compile.py"))
 
 
-def disable_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
+def disable_tracing(fn: Callable[P, R]) -> Callable[P, R]:
     """Keep Dynamo out of `fn` (a hook): a graph break and an eager call, never baked in.
 
     `torch._disable_dynamo` imports Dynamo at the first call instead of now,
@@ -110,15 +113,17 @@ def disable_tracing(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     lazy = getattr(torch, "_disable_dynamo", None)
     if callable(lazy) and DYNAMO not in sys.modules:  # once loaded, skip the lazy layer's extra call
+        function = fn
         if not isinstance(fn, types.FunctionType):
             # It caches the disabled version on the function: a bound method takes no attributes.
             method = fn
 
             @functools.wraps(method)
-            def fn(*args: Any, **kwargs: Any) -> Any:
+            def plain(*args: P.args, **kwargs: P.kwargs) -> R:
                 return method(*args, **kwargs)
 
-        return lazy(fn)  # type: ignore[no-any-return]
+            function = plain
+        return lazy(function)  # type: ignore[no-any-return]
     return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return,unused-ignore]
 
 

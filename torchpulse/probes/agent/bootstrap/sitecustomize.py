@@ -19,8 +19,9 @@ if sys.version_info[0] >= 3:  # noqa: UP036  (Python 2 reads this file too)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import ModuleType  # noqa: F401  (used in type comments)
-    from typing import Any  # noqa: F401
+    from collections.abc import Sequence  # noqa: F401  (used in type comments)
+    from multiprocessing.process import BaseProcess  # noqa: F401
+    from types import ModuleType  # noqa: F401
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Set in this module's namespace before it runs when another torchpulse bootstrap (a second
@@ -117,7 +118,7 @@ def _attach_when_started():  # type: () -> bool
     if original is None:
         return False
 
-    def bootstrap_then_attach(self, *args, **kwargs):  # type: (Any, *Any, **Any) -> Any
+    def bootstrap_then_attach(self, *args, **kwargs):  # type: (BaseProcess, *object, **object) -> object
         BaseProcess._bootstrap = original  # type: ignore[attr-defined]
         target = getattr(self, "_target", None)
         # A DataLoader worker never trains: like a forked one, it gets no agent; nor DCP's saver process.
@@ -140,7 +141,7 @@ class _AttachAfterTorch:
         self.attached = False
 
     def find_spec(self, name, path=None, target=None):
-        # type: (str, Any, Any) -> importlib.machinery.ModuleSpec | None
+        # type: (str, Sequence[str] | None, ModuleType | None) -> importlib.machinery.ModuleSpec | None
         if name != "torch" or self.attached:
             return None
         spec = self._spec_from_later_finders(name, path, target)
@@ -161,7 +162,7 @@ class _AttachAfterTorch:
         return spec
 
     def _spec_from_later_finders(self, name, path, target):
-        # type: (str, Any, Any) -> importlib.machinery.ModuleSpec | None
+        # type: (str, Sequence[str] | None, ModuleType | None) -> importlib.machinery.ModuleSpec | None
         """What the import system would find for `name` without this finder (it never asks this one again)."""
         finders = sys.meta_path
         if self in finders:
