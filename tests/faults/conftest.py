@@ -1,5 +1,5 @@
 """Fault tests reuse the watcher's real saved checkpoint."""
 
-from tests.watcher.conftest import saved_checkpoint
+from tests.daemon.checkpoints.conftest import saved_checkpoint
 
 __all__ = ["saved_checkpoint"]

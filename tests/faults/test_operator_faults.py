@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.checkpoints.conftest import commit_copy, run_service
+from tests.daemon.checkpoints.test_service import FakeWorker, _tiny_checkpoint, _until
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
-from tests.watcher.conftest import commit_copy, run_service
-from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.probes.autograd_support import events, node_values, passes
+from tests.probes.autograd.autograd_support import events, node_values, passes
 from tests.support import local_agent
 from torchpulse.probes.optimizer import measure
 

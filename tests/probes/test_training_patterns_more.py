@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.probes.autograd_support import events, passes
+from tests.probes.autograd.autograd_support import events, passes
 from tests.probes.test_training_patterns import mlp, training_agent, value
 from tests.support import REPO, local_agent
 from torchpulse.probes.optimizer import measure

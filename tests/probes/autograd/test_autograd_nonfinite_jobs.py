@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
+from tests.probes.autograd.autograd_support import autograd_agent, events, tiny_transformer
 from torchpulse.probes.autograd.nonfinite import GradCheck
 
 

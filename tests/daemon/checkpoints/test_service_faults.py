@@ -18,8 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 from watchdog.observers import inotify_c
 
-from tests.watcher.conftest import run_service
-from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
+from tests.daemon.checkpoints.conftest import run_service
+from tests.daemon.checkpoints.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon.checkpoints import roots as checkpoint_roots
 from torchpulse.daemon.checkpoints import sweeps as checkpoint_sweeps
 from torchpulse.daemon.checkpoints import watcher

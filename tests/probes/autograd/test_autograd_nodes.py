@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from tests.probes.autograd_support import (
+from tests.probes.autograd.autograd_support import (
     autograd_agent,
     events,
     node_values,

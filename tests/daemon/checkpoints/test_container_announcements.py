@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.checkpoints.conftest import CLONE_NEWNS, enter_user_namespace, tried
 from tests.support import DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import CLONE_NEWNS, enter_user_namespace, tried
 from torchpulse.daemon.checkpoints.announcements import announcement_refused
 from torchpulse.probes.checkpoint import directory_identity
 from torchpulse.protocol import CHECKPOINT_SAVED_EVENT, FieldValue, LogEvent, checkpoint_saved

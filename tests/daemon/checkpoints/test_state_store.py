@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.watcher.conftest import run_service
-from tests.watcher.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
+from tests.daemon.checkpoints.conftest import run_service
+from tests.daemon.checkpoints.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.state import DB_NAME, Record, StateStore

@@ -10,7 +10,7 @@ import torch
 import torch.autograd.graph
 from torch.utils.checkpoint import checkpoint
 
-from tests.probes.autograd_support import (
+from tests.probes.autograd.autograd_support import (
     autograd_agent,
     events,
     node_values,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.checkpoints.conftest import commit_copy, enter_user_namespace, run_ranks, save_single, tried
 from tests.support import DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import commit_copy, enter_user_namespace, run_ranks, save_single, tried
 
 pytestmark = pytest.mark.slow
 ANNOUNCE_JOB = Path(__file__).with_name("announce_job.py")

@@ -22,7 +22,7 @@ from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.demo import crash_an_overwrite
 
 if TYPE_CHECKING:
-    from tests.watcher.test_service import FakeWorker
+    from tests.daemon.checkpoints.test_service import FakeWorker
 
 __all__ = [
     "CLONE_NEWNS",
@@ -159,7 +159,7 @@ def rewrite_a_shard(checkpoint: Path) -> Path:
 @pytest.fixture
 def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
     """A fast stand-in for the validation worker process (test_service.py keeps its slower one)."""
-    from tests.watcher.test_service import FakeWorker  # a test module: imported late, it imports this one
+    from tests.daemon.checkpoints.test_service import FakeWorker  # a test module: imported late, it imports this one
 
     fake = FakeWorker(seconds=0.01)
     monkeypatch.setattr(checkpoint_runner, "validate", fake)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from tests.daemon.checkpoints.conftest import commit_copy, file_modes_bind, run_service, shut_out
+from tests.daemon.checkpoints.test_service import FakeWorker, _tiny_checkpoint, _until
+from tests.daemon.checkpoints.test_service_faults import _events
 from tests.support import DaemonProcess, select, start_daemon, wait_for
-from tests.watcher.conftest import commit_copy, file_modes_bind, run_service, shut_out
-from tests.watcher.test_service import FakeWorker, _tiny_checkpoint, _until
-from tests.watcher.test_service_faults import _events
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.watcher import unreadable

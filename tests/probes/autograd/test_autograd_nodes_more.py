@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.probes.autograd_support import autograd_agent, events, node_values, passes
+from tests.probes.autograd.autograd_support import autograd_agent, events, node_values, passes
 from torchpulse.limits import MAX_GRAPH_DEPTH
 from torchpulse.probes.autograd.nodes import iter_graph, roots_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_a_chain_deeper_than_the_walk_trains_on_and_is_walked_to_the_limit_only() -> None:
@@ -25,7 +25,7 @@ def test_a_chain_deeper_than_the_walk_trains_on_and_is_walked_to_the_limit_only(
     the walk stop at MAX_GRAPH_DEPTH with one warning."""
     script = textwrap.dedent("""
         import torch
-        from tests.probes.autograd_support import autograd_agent, events
+        from tests.probes.autograd.autograd_support import autograd_agent, events
         with autograd_agent(sample_every="1", slowest_kept="20000") as agent:
             weight = torch.ones(4, requires_grad=True)
             for _ in range(2):

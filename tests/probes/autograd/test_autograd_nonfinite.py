@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.probes.autograd_support import autograd_agent, events, tiny_transformer
+from tests.probes.autograd.autograd_support import autograd_agent, events, tiny_transformer
 from torchpulse.probes.autograd.names import NameResolver, parameter_names
 
 NAN_STEP = 3

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.watcher.conftest import commit_copy, idle, rewrite_a_shard, run_service
+from tests.daemon.checkpoints.conftest import commit_copy, idle, rewrite_a_shard, run_service
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
