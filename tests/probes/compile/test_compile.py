@@ -158,7 +158,7 @@ def test_graph_break_is_counted_with_kind_and_line(scenario: Scenario) -> None:
     """The kind is the first line of torch's own graph-break key; the location is the breaking line."""
     assert 1 == sum(scenario.graph_breaks.values())
     kind = next(iter(scenario.graph_breaks)).split("\n", 1)[0]
-    location = f"probes/test_compile.py:{scenario.lines['break']}"
+    location = f"compile/test_compile.py:{scenario.lines['break']}"
     assert {(kind, location): 1.0} == _series(scenario.agent, "graph_breaks_total")
 
 

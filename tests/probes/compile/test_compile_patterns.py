@@ -180,7 +180,7 @@ def test_same_method_name_in_two_files_gets_two_labels(patterns: Patterns) -> No
 def test_compiled_method_attribute_change_is_a_module_attribute_recompile(patterns: Patterns) -> None:
     """@torch.compile on forward: a changed self.k recompiles under forward (this file:line)."""
     label = _label(inspect.unwrap(Scaled.forward))
-    assert label.startswith("forward (probes/test_compile_patterns.py:")
+    assert label.startswith("forward (compile/test_compile_patterns.py:")
     assert {(label, "global_or_module_attribute"): 1.0} == {
         labels: value for labels, value in _series(patterns.agent, "recompiles_total").items() if labels[0] == label
     }
@@ -188,7 +188,7 @@ def test_compiled_method_attribute_change_is_a_module_attribute_recompile(patter
 
 def test_graph_breaks_have_dynamo_kind_and_user_line(patterns: Patterns) -> None:
     """print, .item(), data-dependent branching, a compiler.disable call: one break each, kind and line right."""
-    where = "probes/test_compile_patterns.py"
+    where = "compile/test_compile_patterns.py"
     expected = {
         ("Failed to trace builtin operator", f"{where}:{_marked_line('PRINT-LINE')}"): 1.0,
         (
