@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.torchpulse-installed
 # first keeps pip from resolving `torch` to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint bench fuzz clean
+.PHONY: demo test test-fast lint bench fuzz clean
 
 # The daemon's C parts are built at install: a change to one reinstalls.
 $(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c) $(wildcard torchpulse/*/*.h)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Everything that starts no process, no daemon and no Prometheus (a test there that does fails).
+test-fast: $(STAMP)
+	TORCHPULSE_TEST_TIER=fast $(PY) -m pytest -q -p no:cacheprovider -m "not process" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check torchpulse tests bench fuzz

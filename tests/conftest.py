@@ -1,4 +1,10 @@
-"""Shared fixtures: a real daemon process, scraping, and an agent without transport."""
+"""Shared fixtures (a real daemon process, scraping, an agent without transport) and the two test tiers.
+
+The process tier (`pytest.mark.process`) is every test that starts a process (a job, a daemon, a
+checkpoint-saving rank, a worker, Prometheus): marked by hand, through `slow`, or by the fixtures that start
+one (PROCESS_FIXTURES). `make test-fast` runs the rest with TORCHPULSE_TEST_TIER=fast, where a test that
+starts a process anyway fails at once, so that the fast tier stays what it says.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import tempfile
 # compiled fixtures are shared inside the run but nothing leaks between runs.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchpulse-inductor-"))
 
+import _posixsubprocess
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,6 +30,55 @@ from tests.support import DaemonProcess, require_tool, start_daemon
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+FAST_TIER = os.environ.get("TORCHPULSE_TEST_TIER") == "fast"
+# Fixtures that start a process: a test using one is in the process tier (inductor's `scenario` runs the C++
+# compiler; the others start daemons, jobs or checkpoint-saving ranks).
+PROCESS_FIXTURES = frozenset(
+    {
+        "daemon",
+        "small_budget_daemon",
+        "known",
+        "busy",
+        "stopper",
+        "saved_checkpoint",
+        "single_root",
+        "dist2_root",
+        "dist4_root",
+        "variants",
+        "dist_variants",
+        "zstd_checkpoint",
+        "ranks",
+        "scenario",
+    }
+)
+
+
+class StartedAProcess(Exception):
+    """A test of the fast tier started a process: mark it `pytest.mark.process`."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the fast tier, starting a process fails, in a test and in any fixture a test uses."""
+    if not FAST_TIER:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        where = os.environ.get("PYTEST_CURRENT_TEST", "a fixture")
+        raise StartedAProcess(f"{where} starts a process: mark the test pytest.mark.process")
+
+    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign,assignment]
+    _posixsubprocess.fork_exec = refuse  # multiprocessing's spawn, too
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, refuse)
 
 
 @pytest.fixture(name="require_tool")

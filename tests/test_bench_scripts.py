@@ -109,6 +109,7 @@ def test_bench_dir_keeps_a_failed_run_only_when_asked_and_not_on_ctrl_c(capsys: 
     assert not path.exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_benchmark_answers_help_as_the_makefile_runs_it(script: str) -> None:
     """`--help` both as a script (README, Makefile) and, for compile_overhead, as a module (`-m`)."""

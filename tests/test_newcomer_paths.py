@@ -29,6 +29,7 @@ def _torchpulse(*argv: str, env: dict[str, str] | None = None) -> subprocess.Com
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["ctl", "status", "--run", "x"]])
 def test_no_daemon_at_the_socket_given_says_where_it_came_from(tmp_path: Path, command: list[str]) -> None:
     """`--socket` naming a path where nothing listens: status 1, one line naming the flag, nothing on stdout."""
@@ -44,6 +45,7 @@ def test_no_daemon_at_the_socket_given_says_where_it_came_from(tmp_path: Path, c
     ) == (proc.returncode, proc.stdout, proc.stderr.splitlines())
 
 
+@pytest.mark.process
 def test_no_daemon_at_the_environments_socket_names_the_variable(tmp_path: Path) -> None:
     """TORCHPULSE_SOCKET naming a path where nothing listens: the line says the path came from it."""
     path = tmp_path / "agent.sock"
@@ -58,6 +60,7 @@ def test_no_daemon_at_the_environments_socket_names_the_variable(tmp_path: Path)
     ) == (proc.returncode, proc.stdout, proc.stderr.splitlines())
 
 
+@pytest.mark.process
 def test_no_daemon_at_the_default_socket_says_how_to_name_another(tmp_path: Path) -> None:
     """No setting and no daemon: the line tells how to start one or where to point the client."""
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
@@ -77,12 +80,14 @@ def test_no_daemon_at_the_default_socket_says_how_to_name_another(tmp_path: Path
     )
 
 
+@pytest.mark.process
 def test_version() -> None:
     """`torchpulse --version` prints the version the daemon reports in `torchpulse status`."""
     proc = _torchpulse("--version")
     assert (0, f"torchpulse {__version__}\n", "") == (proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_check_on_a_directory_of_torch_save_files_is_a_usage_error(tmp_path: Path, fmt: str) -> None:
     """A Trainer-style directory (`pytorch_model.bin`, `optimizer.pt`) is no DCP save that has not committed:
@@ -103,6 +108,7 @@ def test_check_on_a_directory_of_torch_save_files_is_a_usage_error(tmp_path: Pat
     ) == (proc.returncode, proc.stdout, proc.stderr.splitlines())
 
 
+@pytest.mark.process
 def test_check_still_calls_an_empty_directory_and_shards_without_metadata_incomplete(tmp_path: Path) -> None:
     """An empty directory (a save that made only its directory) and data files without `.metadata` exit 3."""
     (tmp_path / "empty").mkdir()
@@ -113,6 +119,7 @@ def test_check_still_calls_an_empty_directory_and_shards_without_metadata_incomp
     assert [(3, True), (3, True)] == [(p.returncode, p.stdout.startswith("INCOMPLETE: ")) for p in codes]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("probes", "error"),
     [
@@ -136,6 +143,7 @@ def test_run_refuses_a_probe_list_it_cannot_use_before_the_job_starts(tmp_path: 
     )
 
 
+@pytest.mark.process
 def test_run_accepts_a_spaced_probe_list(tmp_path: Path) -> None:
     """`--probes "optimizer, autograd"` is what the agent itself accepts: the job runs with exactly those."""
     code = "import os; print(os.environ['TORCHPULSE_PROBES'])"

@@ -82,6 +82,7 @@ def test_metadata_level_reads_no_tensor_bytes(single_root: Path, tmp_path: Path)
     assert expected == actual
 
 
+@pytest.mark.process
 def test_overwrite_in_place_that_crashed_is_invalid(tmp_path: Path) -> None:
     """New data files under the old .metadata: stale metadata, reported invalid."""
     out = tmp_path / "overwrite"

@@ -276,6 +276,7 @@ def low_fd_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     daemon.stop()
 
 
+@pytest.mark.process
 def test_a_flood_of_agents_stops_below_the_descriptor_limit_and_status_still_answers(
     low_fd_daemon: DaemonProcess,
 ) -> None:
@@ -355,6 +356,7 @@ def test_a_silent_agent_is_dropped_and_parked_large_frames_share_one_budget(
     asyncio.run(main())
 
 
+@pytest.mark.process
 def test_a_rank_that_exits_normally_is_exited_not_down_and_is_forgotten_while_its_run_goes_on(tmp_path: Path) -> None:
     """Goodbye tells a normal exit from a crash: agent_exited 1 and `status` says exited; a SIGKILLed
     rank stays agent_exited 0 (TorchpulseAgentDown's case). After the grace period only the exited

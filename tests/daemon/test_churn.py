@@ -54,6 +54,7 @@ def churn_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     daemon.stop()
 
 
+@pytest.mark.process
 def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(
     churn_daemon: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -74,6 +75,7 @@ def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(
     wait_for(lambda: daemon.descriptors() <= descriptors, timeout=10)
 
 
+@pytest.mark.process
 def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: Path) -> None:
     """Status clients that never read a reply of 4,800 ranks are disconnected after the write timeout:
     they do not keep a descriptor, a connection slot and the reply's buffer for ever."""
@@ -101,6 +103,7 @@ def test_a_client_that_stops_reading_a_large_status_reply_is_cut_off(tmp_path: P
         daemon.stop()
 
 
+@pytest.mark.process
 def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_saying_how_many(tmp_path: Path) -> None:
     """16,000 events from one rank: the burst is written, the rest is counted in `suppressed` lines
     (written + suppressed = sent), and another rank's events are still written."""
@@ -128,6 +131,7 @@ def test_an_agent_flooding_log_events_gets_a_burst_then_a_rate_and_one_line_sayi
         daemon.stop()
 
 
+@pytest.mark.process
 def test_a_requested_autograd_log_of_a_large_model_is_written_whole_and_spares_the_other_budget(tmp_path: Path) -> None:
     """`ctl autograd-log` of a large model: 30,000 `autograd.node` events (three times the general
     burst) all reach the log, and the rank's other events are still written after them."""

@@ -113,6 +113,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert isinstance(config, Config)
 
 
+@pytest.mark.process
 def test_bad_config_file_exits_non_zero_with_one_clear_line(tmp_path: Path) -> None:
     """`torchpulse daemon --config bad.toml` prints one error naming file and key, exits 2."""
     path = tmp_path / "bad.toml"
@@ -144,6 +145,7 @@ def test_a_socket_path_of_107_bytes_is_the_longest_accepted(tmp_path: Path) -> N
         sock.bind(str(path))
 
 
+@pytest.mark.process
 def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tmp_path: Path) -> None:
     """`--socket` past the kernel's limit: one config error line, exit 2, no directory created for it."""
     socket_dir = tmp_path / ("d" * 120)
@@ -174,6 +176,7 @@ def test_a_socket_path_too_long_refuses_to_start_naming_the_key_and_the_limit(tm
     )
 
 
+@pytest.mark.process
 def test_a_bad_checkpoints_section_names_the_file_like_the_other_sections(tmp_path: Path) -> None:
     """`[checkpoints]` is parsed after the file is read, by its owner; its errors still say which file."""
     path = tmp_path / "bad.toml"

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from tests.support import DaemonProcess, rejected_frames, select, send_raw, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
@@ -75,6 +76,7 @@ def test_hello_fields_longer_than_their_limit_are_refused(daemon: DaemonProcess)
     assert [] == request_status(daemon.socket_path).runs
 
 
+@pytest.mark.process
 def test_runs_and_ranks_past_their_caps_are_refused_and_ended_ones_make_room(tmp_path: Path) -> None:
     """A client inventing run names or rank numbers cannot make the daemon hold more than the caps."""
     config = tmp_path / "torchpulse.toml"

@@ -11,6 +11,7 @@ import pytest
 from tests.support import parse_exposition, reload_config, select, start_daemon, wait_for
 
 
+@pytest.mark.process
 def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Path) -> None:
     """A valid edit is applied on SIGHUP; a broken file is logged and the daemon keeps running."""
     config = tmp_path / "tp.toml"
@@ -35,6 +36,7 @@ def test_sighup_reloads_the_config_and_a_bad_file_keeps_the_old_one(tmp_path: Pa
         assert 0 == daemon.stop(signal.SIGTERM)
 
 
+@pytest.mark.process
 def test_sigterm_stops_cleanly_and_a_stale_socket_is_replaced(tmp_path: Path) -> None:
     """SIGTERM exits 0; a socket file left by a SIGKILLed daemon does not block the next start."""
     first = start_daemon(tmp_path)
@@ -48,6 +50,7 @@ def test_sigterm_stops_cleanly_and_a_stale_socket_is_replaced(tmp_path: Path) ->
         assert 0 == second.stop(signal.SIGTERM)
 
 
+@pytest.mark.process
 def test_sigterm_removes_the_socket_file_it_bound(tmp_path: Path) -> None:
     """A stopped daemon leaves no socket behind: agents see "no daemon" (ENOENT), not a dead socket."""
     daemon = start_daemon(tmp_path)
@@ -56,6 +59,7 @@ def test_sigterm_removes_the_socket_file_it_bound(tmp_path: Path) -> None:
     assert not daemon.socket_path.exists()
 
 
+@pytest.mark.process
 def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
     """With `textfile` set the daemon writes a parseable .prom file for node_exporter, and removes it at stop."""
     prom = tmp_path / "torchpulse.prom"
@@ -73,6 +77,7 @@ def test_textfile_output_is_written_atomically(tmp_path: Path) -> None:
     assert not prom.exists()
 
 
+@pytest.mark.process
 def test_a_second_daemon_on_a_live_socket_refuses_to_start(tmp_path: Path) -> None:
     """Starting a daemon on a socket another daemon serves fails instead of stealing it."""
     daemon = start_daemon(tmp_path)
@@ -85,6 +90,7 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(tmp_path: Path) -> No
         daemon.stop()
 
 
+@pytest.mark.process
 def test_a_reload_applies_the_log_level_and_keeps_command_line_flags(tmp_path: Path) -> None:
     """SIGHUP re-applies log_level; --socket/--listen/--state-dir still win and are not reported as changed."""
     from tests.support import send_raw

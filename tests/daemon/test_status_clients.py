@@ -216,6 +216,7 @@ def _few_descriptors() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
 
 
+@pytest.mark.process
 def test_at_the_connection_limit_a_stuck_status_client_gives_way_to_an_agent(tmp_path: Path) -> None:
     """Status clients that never read fill every connection slot: agents' hellos and `torchpulse status`
     were refused until the write timeout cut them off. Now the one stuck the longest gives way."""
@@ -243,6 +244,7 @@ def test_at_the_connection_limit_a_stuck_status_client_gives_way_to_an_agent(tmp
         daemon.stop()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("listen", "port"), [("127.0.0.1:99999", "99999"), ("127.0.0.1:65536", "65536"), ("127.0.0.1:-1", "-1")]
 )
@@ -273,6 +275,7 @@ def test_a_metrics_port_out_of_range_is_refused_as_such(tmp_path: Path, listen: 
     assert (2, [expected]) == (result.returncode, result.stderr.strip().splitlines())
 
 
+@pytest.mark.process
 def test_a_port_out_of_range_in_the_config_file_is_refused_naming_the_file(tmp_path: Path) -> None:
     """The same words for `listen =` in the file, which the error names."""
     config = tmp_path / "tp.toml"
@@ -324,6 +327,7 @@ while True:
 """
 
 
+@pytest.mark.process
 def test_every_ctl_command_prints_one_clean_line_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A real job under `torchpulse run`: each command's line says what happened once, in words ("ok  ok
     changed=False" before), and the rest is key=value fields that shlex reads whole."""

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO, free_port, require_tool, wait_for
 from torchpulse.daemon.client import request_status
 
@@ -24,6 +26,7 @@ def _datagrams(sock: socket.socket, until: float) -> list[str]:
     return messages
 
 
+@pytest.mark.process
 def test_socket_activated_daemon_notifies_ready_pings_watchdog_and_survives_restart(tmp_path: Path) -> None:
     """Under LISTEN_FDS the daemon serves the inherited socket, says READY=1 with STATUS=, pings
     WATCHDOG=1 from its loop, says STOPPING=1 on SIGTERM, and the socket outlives it."""

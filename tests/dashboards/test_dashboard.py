@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from dashboard_files import (
     DASHBOARD_JSON,
     DASHBOARDS,
@@ -40,6 +41,7 @@ def _family(name: str, contract: dict[str, Family]) -> Family | None:
     return None
 
 
+@pytest.mark.process
 def test_dashboard_json_is_generated_from_build_dashboard() -> None:
     """torchpulse.json is exactly what build_dashboard.py writes (edit the script, not the JSON)."""
     script = DASHBOARDS / "grafana" / "build_dashboard.py"

@@ -49,6 +49,7 @@ def _start(tmp: Path, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("config", "error"), REFUSED)
 def test_a_bad_value_refuses_the_start_with_one_line_naming_the_key(tmp_path: Path, config: str, error: str) -> None:
     """Each mistake exits 2 with one line naming the file and the key, and binds nothing."""
@@ -67,6 +68,7 @@ def test_a_bad_value_refuses_the_start_with_one_line_naming_the_key(tmp_path: Pa
     )
 
 
+@pytest.mark.process
 def test_the_ready_line_writes_an_ipv6_listener_as_a_url(tmp_path: Path) -> None:
     """`metrics` in the `daemon ready` log line is a URL that reaches /metrics: an IPv6 address in brackets."""
     try:
@@ -95,6 +97,7 @@ def test_the_ready_line_writes_an_ipv6_listener_as_a_url(tmp_path: Path) -> None
     assert ("daemon ready", f"http://[::1]:{port}/metrics", 200) == (ready["event"], ready["metrics"], status)
 
 
+@pytest.mark.process
 def test_a_refused_method_is_told_which_ones_are_served(tmp_path: Path) -> None:
     """A 405 answer carries `Allow: GET, HEAD` (RFC 9110 15.5.6) on every path."""
     daemon = start_daemon(tmp_path)
@@ -116,6 +119,7 @@ def test_a_refused_method_is_told_which_ones_are_served(tmp_path: Path) -> None:
     assert [("HTTP/1.1 405 Method Not Allowed", ["Allow: GET, HEAD"])] * 2 == answers
 
 
+@pytest.mark.process
 def test_label_text_with_quotes_backslashes_and_control_characters_survives_a_real_scrape(tmp_path: Path) -> None:
     """Run, host and command with `"`, `\\`, newline, CR, NUL and non-ASCII come back exactly; promtool is silent."""
     weird = 'a"b\\c\nd\re\tf\x00g\u2028h\x7f\ufeff\u00e9\U0001f600'
@@ -145,6 +149,7 @@ def test_label_text_with_quotes_backslashes_and_control_characters_survives_a_re
     assert [1.0] == list(select(samples, "torchpulse_run_info", run=weird, host=weird, command=command).values())
 
 
+@pytest.mark.process
 def test_a_reload_that_changes_listen_keeps_serving_on_the_running_address_and_says_so(tmp_path: Path) -> None:
     """`listen` needs a restart: after SIGHUP the old port still serves, the new one is not bound, one warning."""
     first, second = free_port(), free_port()

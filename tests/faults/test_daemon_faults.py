@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
 from torchpulse.daemon.client import request_status
 from torchpulse.probes.agent.sender import HEARTBEAT_INTERVAL
@@ -75,6 +77,7 @@ class SocketHolder:
             return ""
 
 
+@pytest.mark.process
 def test_sigkill_under_socket_activation_keeps_the_socket_and_the_counts(tmp_path: Path) -> None:
     """A 2-rank job keeps training through a daemon SIGKILL; the held socket queues reconnects and
     the restarted daemon ends at exactly N steps per rank, with no exception in the job."""
@@ -238,6 +241,7 @@ def test_a_job_stuck_in_a_long_step_stays_up_and_answers_status(daemon: DaemonPr
             job.wait(10)
 
 
+@pytest.mark.process
 def test_an_unusable_state_directory_degrades_with_one_clear_line(tmp_path: Path) -> None:
     """A state dir that cannot be created is logged once; agents and scrapes keep working."""
     blocker = tmp_path / "file"

@@ -35,6 +35,7 @@ def _serves(daemon: DaemonProcess) -> bool:
     return [1.0] == list(select(daemon.scrape(), "torchpulse_build_info").values())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
 def test_an_unreadable_config_file_refuses_the_start_with_one_line_and_status_2(tmp_path: Path, content: bytes) -> None:
     """tomllib raised UnicodeDecodeError and RecursionError past the ConfigError handler: a traceback, status 1."""
@@ -63,6 +64,7 @@ def test_an_unreadable_config_file_refuses_the_start_with_one_line_and_status_2(
     assert lines[0].startswith(f"torchpulse: invalid configuration: {config}: not valid TOML: ")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("content", [NOT_UTF8, TOO_DEEP], ids=["latin1", "nested"])
 def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(tmp_path: Path, content: bytes) -> None:
     """The same files on SIGHUP ended the daemon (the exception left its housekeeping loop); now one error names
@@ -84,6 +86,7 @@ def test_sighup_with_an_unreadable_config_file_keeps_the_daemon_and_its_config(t
         assert 0 == daemon.stop()
 
 
+@pytest.mark.process
 def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_socket(tmp_path: Path) -> None:
     """The agent socket was bound before the port failed and stayed behind: agents met "connection refused" from a
     dead socket instead of "no daemon", which a stopped daemon otherwise guarantees. The textfile of a killed
@@ -123,6 +126,7 @@ def test_a_metrics_port_in_use_fails_the_start_with_one_line_and_leaves_no_dead_
     assert (False, False) == ((tmp_path / "a.sock").exists(), textfile.exists())
 
 
+@pytest.mark.process
 def test_a_start_refused_at_the_agent_socket_removes_a_killed_daemons_textfile(tmp_path: Path) -> None:
     """Any failed start, not only a taken port: a regular file where the socket goes refuses the start, and the
     textfile a killed daemon left (agent_up 1, frozen counters) goes, as node_exporter would serve it for ever."""
@@ -155,6 +159,7 @@ def test_a_start_refused_at_the_agent_socket_removes_a_killed_daemons_textfile(t
     assert (False, "not a socket") == (textfile.exists(), sock.read_text())
 
 
+@pytest.mark.process
 def test_a_textfile_output_moved_or_switched_off_on_sighup_leaves_no_frozen_file(tmp_path: Path) -> None:
     """The old .prom stayed for ever (even after the stop, which removes only the current one): node_exporter served
     its frozen values, agent_up 1 included, for as long as it ran."""
@@ -247,6 +252,7 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
     run_service(tmp_path, config, body)
 
 
+@pytest.mark.process
 def test_an_agent_socket_removed_while_running_is_bound_again(tmp_path: Path) -> None:
     """`rm -r` of the socket's directory left the daemon listening on a file nobody could reach: no agent could
     connect or reconnect and `torchpulse status` found no daemon until a restart, and nothing was logged."""

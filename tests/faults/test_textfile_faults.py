@@ -31,6 +31,7 @@ def _serves(daemon: DaemonProcess) -> bool:
     return [1.0] == list(select(daemon.scrape(), "torchpulse_build_info").values())
 
 
+@pytest.mark.process
 def test_a_vanished_directory_is_logged_and_the_file_returns_with_it(tmp_path: Path) -> None:
     """rm -r of the textfile directory: a warning, scrapes go on, and the file is back once the directory is."""
     directory = tmp_path / "textfile"
@@ -68,6 +69,7 @@ def _require_mounts(tmp_path: Path) -> None:
         pytest.skip(f"needs root and mount namespaces to build a full filesystem: {exc}")
 
 
+@pytest.mark.process
 def test_a_full_filesystem_is_logged_and_leaves_no_partial_file(tmp_path: Path) -> None:
     """ENOSPC on a 4 KiB tmpfs (the exposition is larger): warnings, no .prom and no temporary left, scrapes answer."""
     directory = tmp_path / "full"

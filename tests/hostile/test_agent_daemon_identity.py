@@ -117,6 +117,7 @@ def _agent_as(uid: int, socket_path: Path, seconds: float = 1.5) -> list[str]:
     return out.decode().splitlines()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["squatted default directory", "sticky shared directory"])
 def test_an_agent_sends_nothing_to_another_users_listener_warns_once_and_retries(
     where: str, shared: Path, request: pytest.FixtureRequest
@@ -145,6 +146,7 @@ def test_an_agent_sends_nothing_to_another_users_listener_warns_once_and_retries
     ), warning
 
 
+@pytest.mark.process
 def test_the_same_user_is_a_daemon_only_where_the_job_chose_their_directory(
     shared: Path, squatted_default: Path
 ) -> None:

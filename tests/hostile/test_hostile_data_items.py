@@ -349,6 +349,7 @@ def _zstd_rle_bomb(total: int, block: int = 128 << 10) -> bytes:
     return bytes(frame)
 
 
+@pytest.mark.process
 def test_a_zstd_bomb_is_a_finding_within_the_memory_limit(zstd_checkpoint: Path, tmp_path: Path) -> None:
     """256 KiB that inflate to 8 GiB, for a 128-byte tensor: refused once past the item's size, in a 3 GiB worker."""
     ckpt = _with_item(zstd_checkpoint, tmp_path, W, _zstd_rle_bomb(8 << 30))

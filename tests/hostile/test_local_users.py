@@ -86,6 +86,7 @@ def _events(daemon: DaemonProcess, event: str) -> list[dict[str, object]]:
 # -- runs -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @needs_root
 def test_another_user_cannot_add_or_take_over_ranks_of_a_run(shared: Path) -> None:
     """uid 65534 says hello as a new rank of root's run, and as its rank once that rank left: both refused."""
@@ -119,6 +120,7 @@ def _a_group() -> grp.struct_group:
     pytest.skip("no group to use as control_group")
 
 
+@pytest.mark.process
 @needs_root
 def test_control_group_counts_supplementary_groups_even_past_256(shared: Path) -> None:
     """A member of control_group through a supplementary group may send commands, also when it is the last of
@@ -192,6 +194,7 @@ def _ctl_as(uid: int, *argv: str) -> tuple[int, str, str]:
     return code, stdout, stderr
 
 
+@pytest.mark.process
 @needs_root
 def test_a_jobs_user_controls_their_own_run_and_no_one_elses(shared: Path) -> None:
     """uid 65534 runs a job: it may `ctl status` and `ctl trace` it (into a directory of its own) without being in
@@ -471,6 +474,7 @@ def _start_failure(socket_dir: Path, tmp_path: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.process
 @needs_root
 def test_the_daemon_will_not_bind_its_socket_where_another_user_could_replace_it(tmp_path: Path) -> None:
     """A directory another user made first (a squatted /tmp/torchpulse-UID), and one anybody may write to
@@ -487,6 +491,7 @@ def test_the_daemon_will_not_bind_its_socket_where_another_user_could_replace_it
     assert [[], []] == [list(squatted.iterdir()), list(open_to_all.iterdir())]
 
 
+@pytest.mark.process
 def test_a_sticky_shared_directory_takes_the_socket(tmp_path: Path) -> None:
     """/tmp-like (world-writable, sticky): others cannot remove the socket there, so the daemon binds it."""
     sticky = tmp_path / "sticky"

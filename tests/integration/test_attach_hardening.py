@@ -261,6 +261,7 @@ def _without_resource_tracker_warnings(stderr: str) -> str:
     return "".join(kept)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="remote attach is available on this Python")
 def test_attach_on_python_before_3_14_explains_and_exits_2() -> None:
     """`torchpulse attach PID` needs sys.remote_exec; older Pythons get one clear line and status 2."""

@@ -24,6 +24,7 @@ print("trained")
 NOT_ATTACHED = 'agent not attached: ValueError("TORCHPULSE_FLUSH_INTERVAL: expected seconds'
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("variable", "value", "says"),
     [

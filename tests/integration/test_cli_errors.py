@@ -56,6 +56,7 @@ def _peer(path: Path, answer: Callable[[socket.socket], None]) -> Iterator[None]
         thread.join(10)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", [["status"], ["ctl", "status", "--run", "r", "--timeout", "5"]])
 @pytest.mark.parametrize("name", sorted(ANSWERS))
 def test_a_peer_that_is_not_this_daemon_is_reported_in_one_line(tmp_path: Path, name: str, command: list[str]) -> None:

@@ -186,6 +186,7 @@ def test_a_rank_that_cannot_answer_times_out_and_a_gone_rank_is_reported(daemon:
         _stop(procs)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 def test_a_caller_outside_the_allowed_users_is_refused() -> None:
     """Another user who can reach the socket gets a clear refusal, and the daemon logs who asked."""

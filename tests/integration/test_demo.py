@@ -6,12 +6,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO
 
 # A node type as torch names it: a backward node, or the node that accumulates a leaf's gradient.
 NODE_TYPE = r"(?:\w+Backward\d*|AccumulateGrad)"
 
 
+@pytest.mark.process
 def test_demo_shows_every_probe_and_the_validated_checkpoints() -> None:
     """The demo exits 0; its tables show both torchrun ranks with every optimizer step (one skipped for
     the injected NaN), every backward pass, the non-finite pass and the parameter it named, the first

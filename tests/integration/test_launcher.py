@@ -47,12 +47,14 @@ def _steps(daemon: DaemonProcess, run: str) -> list[float]:
     return list(select(daemon.scrape(), "torchpulse_optimizer_steps_total", run=run).values())
 
 
+@pytest.mark.process
 def test_exit_status_and_death_by_signal_are_the_commands_own() -> None:
     """exec, not a wrapper: the status is the command's, and a signal kills the process itself."""
     assert 7 == _run("sh", "-c", "exit 7").returncode
     assert -signal.SIGTERM == _run("sh", "-c", "kill -TERM $$").returncode
 
 
+@pytest.mark.process
 def test_the_command_starts_with_the_signal_dispositions_it_would_have_had() -> None:
     """Python ignores SIGPIPE and SIGXFSZ for itself; the exec'd job must not inherit that (`yes | head`)."""
     script = "yes | head -n 1; grep SigIgn /proc/self/status"
@@ -61,6 +63,7 @@ def test_the_command_starts_with_the_signal_dispositions_it_would_have_had() -> 
     assert (0, direct.stdout, "") == (wrapped.returncode, wrapped.stdout, wrapped.stderr)
 
 
+@pytest.mark.process
 def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> None:
     """Not found is 127 and found but not executable is 126, each with one line on stderr."""
     missing = _run(str(tmp_path / "no-such-command"))
@@ -74,6 +77,7 @@ def test_a_command_that_cannot_run_gets_the_shells_statuses(tmp_path: Path) -> N
     )
 
 
+@pytest.mark.process
 def test_run_without_a_command_prints_a_usage_that_names_every_option() -> None:
     """`torchpulse run` alone exits 2 with one usage line listing each of the subcommand's options."""
     run_parser = cli._parser()._subparsers._group_actions[0].choices["run"]
@@ -84,6 +88,7 @@ def test_run_without_a_command_prints_a_usage_that_names_every_option() -> None:
     assert set() == {option for option in options if f"[{option} " not in usage[0]}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("by_name", [False, True])
 def test_a_script_without_a_shebang_runs_under_sh_as_with_env(tmp_path: Path, by_name: bool) -> None:
     """An executable script with no `#!` line (by path or found on PATH): env runs it with /bin/sh, so does run."""
@@ -97,6 +102,7 @@ def test_a_script_without_a_shebang_runs_under_sh_as_with_env(tmp_path: Path, by
     assert [(3, "args: a b c\n", "")] * 2 == [(r.returncode, r.stdout, r.stderr) for r in (direct, wrapped)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("pythonpath", [":{repo}", "{repo}:"])
 def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path: Path, pythonpath: str) -> None:
     """`PYTHONPATH=$PYTHONPATH:/lib` with PYTHONPATH unset puts the cwd on sys.path; the job keeps importing from it."""
@@ -169,6 +175,7 @@ def _working_python(version: str) -> str | None:
     return None
 
 
+@pytest.mark.process
 def test_an_old_python3_the_job_runs_starts_silently_and_runs_the_users_sitecustomize(tmp_path: Path) -> None:
     """Python 3.6 (RHEL 8's /usr/bin/python3) cannot import torchpulse, but must not choke on the bootstrap."""
     python36 = _working_python("3.6")
@@ -189,6 +196,7 @@ def test_an_old_python3_the_job_runs_starts_silently_and_runs_the_users_sitecust
     ]
 
 
+@pytest.mark.process
 def test_two_bootstraps_on_pythonpath_chain_once_to_the_users_sitecustomize(tmp_path: Path) -> None:
     """A second torchpulse install's bootstrap on PYTHONPATH (nested runs): no endless chain, the user's runs once."""
     other = tmp_path / "other-install" / "bootstrap"

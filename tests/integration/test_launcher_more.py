@@ -25,6 +25,7 @@ def _run(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subp
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("with_user_sitecustomize", [False, True])
 def test_a_python2_process_the_job_runs_is_left_as_it_was(tmp_path: Path, with_user_sitecustomize: bool) -> None:
     """Python 2 (a tool's `/usr/bin/python` on CentOS 7) cannot parse Python 3 syntax in the bootstrap: it
@@ -58,6 +59,7 @@ REPORT = (
 )
 
 
+@pytest.mark.process
 def test_every_python_a_shell_pipeline_starts_gets_one_agent(tmp_path: Path) -> None:
     """`python -m`, a `#!/usr/bin/env python3` script run directly and `-c`, joined by a shell pipe: each
     process that imports torch has its agent, output and exit status pass through."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from tests.support import REPO, DaemonProcess, send_raw, start_daemon, wait_for
 from torchpulse.aio import close_connection
@@ -125,6 +126,7 @@ def _stdlib_records(log_format: str) -> list[str]:
     return result.stderr.splitlines()
 
 
+@pytest.mark.process
 def test_the_standard_librarys_records_in_the_daemon_are_json_lines_too() -> None:
     """asyncio's own error (with its traceback) and a warning come out as JSON lines, not plain text."""
     events = [json.loads(line) for line in _stdlib_records("json")]
@@ -139,6 +141,7 @@ def test_the_standard_librarys_records_in_the_daemon_are_json_lines_too() -> Non
     assert "timestamp" in asyncio_error
 
 
+@pytest.mark.process
 def test_the_standard_librarys_records_on_a_terminal_are_readable_lines() -> None:
     """With the console format the same records read as the daemon's own lines: time, [level], event."""
     lines = _stdlib_records("console")
@@ -146,6 +149,7 @@ def test_the_standard_librarys_records_on_a_terminal_are_readable_lines() -> Non
     assert any(line.startswith("ZeroDivisionError: from a task nobody awaits") for line in lines)
 
 
+@pytest.mark.process
 def test_under_journald_each_line_carries_its_priority_for_journalctl_p(tmp_path: Path) -> None:
     """stderr being the journal stream systemd names in JOURNAL_STREAM: `<N>` prefixes; anywhere else, none."""
     script = (
@@ -170,6 +174,7 @@ def test_under_journald_each_line_carries_its_priority_for_journalctl_p(tmp_path
     assert ["routine", "look", "broken"] * 2 == [json.loads(line[line.index("{") :])["event"] for line in lines]
 
 
+@pytest.mark.process
 def test_log_flags_override_the_config_and_survive_a_reload(tmp_path: Path) -> None:
     """`--log-format console --log-level warning`: readable lines, warnings only, also after a SIGHUP."""
     daemon = start_daemon(tmp_path, extra_args=["--log-format", "console", "--log-level", "warning"])

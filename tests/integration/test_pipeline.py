@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO, DaemonProcess, require_tool, select, wait_for
 from torchpulse.summary import histogram_quantile
 
@@ -101,6 +103,7 @@ def test_promtool_accepts_the_real_exposition(daemon: DaemonProcess) -> None:
     assert (0, "", "") == (result.returncode, result.stdout, result.stderr)
 
 
+@pytest.mark.process
 def test_job_without_daemon_trains_with_one_warning_line(tmp_path: Path) -> None:
     """With no daemon the job exits 0 and stderr holds exactly one torchpulse warning line."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCHPULSE_SOCKET=str(tmp_path / "absent.sock"))
@@ -118,6 +121,7 @@ def test_job_without_daemon_trains_with_one_warning_line(tmp_path: Path) -> None
     assert lines[0].startswith("torchpulse: daemon not reachable; training continues")
 
 
+@pytest.mark.process
 def test_a_socket_path_too_long_for_unix_sockets_is_one_clear_line_and_the_job_trains(tmp_path: Path) -> None:
     """`--socket agent.sock` in a deep directory is made absolute past 107 bytes: one line saying so, exit 0."""
     deep = tmp_path / ("d" * 100)
@@ -188,6 +192,7 @@ def test_status_lists_runs_ranks_and_counts(daemon: DaemonProcess) -> None:
     assert 2 == sum(1 for line in lines if " exited " in line), result.stdout
 
 
+@pytest.mark.process
 def test_status_without_daemon_fails_clearly(tmp_path: Path) -> None:
     """`torchpulse status` with no daemon exits 1 with one line naming the socket."""
     sock = tmp_path / "none.sock"

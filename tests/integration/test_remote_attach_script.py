@@ -23,6 +23,7 @@ print(agent is not None, agent.config.socket_path if agent else None, agent.iden
 """
 
 
+@pytest.mark.process
 def test_the_injected_script_attaches_deletes_itself_and_leaves_the_main_namespace_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

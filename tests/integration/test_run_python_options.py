@@ -19,6 +19,7 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("options", "why"),
     [
@@ -33,6 +34,7 @@ def test_options_that_keep_the_bootstrap_out_are_reported_and_the_job_still_runs
     assert (0, "job ran\n", f"{WARNING}{why}\n") == (result.returncode, result.stdout, result.stderr)
 
 
+@pytest.mark.process
 def test_options_of_the_job_itself_are_not_pythons() -> None:
     """`-I` after `-c CODE`, a script or `-m MODULE` is the job's argument: nothing to report."""
     result = _run(sys.executable, "-c", "import sys; print(sys.argv[1:])", "-I", "-S")

@@ -154,6 +154,7 @@ def _serve_once(path: Path, frames: list[bytes]) -> threading.Thread:
     return thread
 
 
+@pytest.mark.process
 def test_what_a_peer_on_the_socket_says_is_escaped(tmp_path: Path) -> None:
     """A refusal's message, an undecodable tag and the daemon's version are printed escaped by status and ctl."""
     body = msgspec.msgpack.encode({"type": f"{SCREEN_CLEAR}x", "code": "c", "message": "m"})

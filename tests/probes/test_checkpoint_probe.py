@@ -294,6 +294,7 @@ def test_a_storage_writer_passed_positionally_is_announced_and_named_in_failures
     assert [str(target)] == [fields["path"] for _, event, fields in _events(agent) if event == "checkpoint save failed"]
 
 
+@pytest.mark.process
 def test_probe_patches_dcp_imported_after_it_without_importing_it() -> None:
     """Installed before the job imports DCP, the probe neither imports it nor misses it."""
     code = (
@@ -328,6 +329,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.process
 def test_rank_0_of_the_saving_subgroup_asks_for_validation(tmp_path: Path) -> None:
     """A save on a subgroup without global rank 0 is announced for validation by the subgroup's rank 0."""
     procs = [
@@ -362,6 +364,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.process
 def test_every_rank_asks_for_validation_of_its_own_no_dist_save(tmp_path: Path) -> None:
     """A `no_dist=True` save is a whole checkpoint of this process alone (it writes its own `.metadata`): rank 1's
     lands where rank 0 never announces, so rank 1 asks for its validation too."""

@@ -116,6 +116,7 @@ agent.shutdown()
 """
 
 
+@pytest.mark.process
 def test_a_save_does_not_import_dynamo_in_the_jobs_thread(tmp_path: Path) -> None:
     """The probe's hooks never import torch._dynamo (0.7 s, which the first save's duration counted)."""
     assert "False False ['checkpoint saved']" == _run(FIRST_SAVE, tmp_path, str(tmp_path / "ck"))
@@ -152,6 +153,7 @@ agent.shutdown()
 """
 
 
+@pytest.mark.process
 def test_a_save_in_a_deleted_cwd_raises_torchs_own_exception_and_is_counted(tmp_path: Path) -> None:
     """A relative save whose cwd was deleted (a stale NFS cwd alike) fails: the job gets torch's very exception,
     the failure is counted under the relative path, and the probe stays on."""

@@ -100,6 +100,7 @@ def _value(daemon: DaemonProcess, family: str, **labels: str) -> float:
     return sum(select(daemon.scrape(), family, run="longrun", **labels).values())
 
 
+@pytest.mark.process
 def test_a_long_job_with_every_probe_stays_flat_and_counts_right_across_daemon_restarts(tmp_path: Path) -> None:
     """After the warm-up (recompiles, the recompile limit, the first saves) descriptors, threads,
     finalizers, series and queued records stay as they were through 2,400 more steps with the daemon

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -186,6 +187,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.process
 def test_zero_redundancy_optimizer_is_one_optimizer_holding_its_local_state(tmp_path: Path) -> None:
     """ZeroRedundancyOptimizer on 2 gloo ranks: per rank one series with 3 steps and the state of that rank's
     shard (the inner AdamW it steps was counted again, as a second optimizer)."""

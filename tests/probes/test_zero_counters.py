@@ -191,6 +191,7 @@ def _late_dynamo_job(device: str) -> list[str]:
     return out.stdout.strip().splitlines()
 
 
+@pytest.mark.process
 def test_compile_zeros_wait_for_dynamo_and_cudagraph_zeros_for_the_tree_module_on_cuda() -> None:
     """Before the job imports Dynamo no compile counter exists; then frames ok/failed are 0, and a compile,
     torch._dynamo.reset() and another compile count 2. CUDA-graph counters appear once Inductor's tree

@@ -49,6 +49,7 @@ def _report(stdout: str) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.process
 def test_child_takes_the_inherited_socket_and_serves_a_client_that_connected_first(
     tmp_path: Path,
 ) -> None:
@@ -79,6 +80,7 @@ def test_child_takes_the_inherited_socket_and_serves_a_client_that_connected_fir
     assert report["listen_env_left"] == []
 
 
+@pytest.mark.process
 def test_sockets_meant_for_another_process_are_left_alone(tmp_path: Path) -> None:
     """With LISTEN_PID naming another process nothing is taken, yet the variables are cleared."""
     with _listening_socket(tmp_path / "agent.sock") as server:
@@ -99,6 +101,7 @@ def test_sockets_meant_for_another_process_are_left_alone(tmp_path: Path) -> Non
     assert report["listen_env_left"] == []
 
 
+@pytest.mark.process
 def test_missing_names_default_to_unknown(tmp_path: Path) -> None:
     """Without LISTEN_FDNAMES every socket is named 'unknown', as sd_listen_fds_with_names says."""
     with _listening_socket(tmp_path / "agent.sock") as server:
@@ -116,6 +119,7 @@ def test_missing_names_default_to_unknown(tmp_path: Path) -> None:
     assert _report(child.stdout)["names"] == ["unknown"]
 
 
+@pytest.mark.process
 def test_systemd_socket_activate_hands_over_the_socket(tmp_path: Path, require_tool: Callable[[str], str]) -> None:
     """systemd's own activator (same code path as PID 1) binds, passes and names the socket."""
     activator = require_tool("systemd-socket-activate")

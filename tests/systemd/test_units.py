@@ -54,6 +54,7 @@ def _installable_copy(tmp_path: Path) -> Path:
     return units
 
 
+@pytest.mark.process
 def test_systemd_analyze_verify_is_silent(tmp_path: Path, require_tool: Callable[[str], str]) -> None:
     """systemd-analyze verify accepts both units without a single warning."""
     analyze = require_tool("systemd-analyze")
@@ -70,6 +71,7 @@ def test_systemd_analyze_verify_is_silent(tmp_path: Path, require_tool: Callable
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 
 
+@pytest.mark.process
 def test_security_exposure_is_at_most_2_5(tmp_path: Path, require_tool: Callable[[str], str]) -> None:
     """systemd-analyze security rates the service's exposure at or below 2.5."""
     analyze = require_tool("systemd-analyze")
@@ -90,6 +92,7 @@ def test_security_exposure_is_at_most_2_5(tmp_path: Path, require_tool: Callable
     assert exposure <= MAX_EXPOSURE, result.stdout
 
 
+@pytest.mark.process
 def test_sysusers_and_tmpfiles_create_what_the_units_expect(tmp_path: Path, require_tool: Callable[[str], str]) -> None:
     """sysusers creates the user and both groups; tmpfiles creates /run/torchpulse owned by it."""
     sysusers = require_tool("systemd-sysusers")

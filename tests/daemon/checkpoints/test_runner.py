@@ -33,6 +33,7 @@ def _validate_traced() -> tuple[ValidationResult, int]:
         tracemalloc.stop()
 
 
+@pytest.mark.process
 def test_a_flood_on_both_pipes_is_capped_and_the_last_json_line_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 MiB of noise on stdout and stderr each, then the result: the daemon keeps about 1 MiB of it."""
     monkeypatch.setattr(checkpoint_runner, "MAX_WORKER_OUTPUT_BYTES", MIB)
@@ -49,6 +50,7 @@ def test_a_flood_on_both_pipes_is_capped_and_the_last_json_line_still_read(monke
     assert peak < 4 * MIB
 
 
+@pytest.mark.process
 def test_a_failing_worker_reports_the_last_line_of_its_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
     _worker_writing(
         monkeypatch,
@@ -77,6 +79,7 @@ def _chunks_without_storage(directory: Path, chunks: int) -> None:
     (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"w": tensor}, storage_data={})))
 
 
+@pytest.mark.process
 def test_more_findings_than_the_output_cap_holds_are_summarised_not_a_failed_worker(tmp_path: Path) -> None:
     """150,000 chunks without storage (21 MB of findings listed): invalid, 1,000 listed, the true count kept."""
     chunks = 150_000

@@ -77,6 +77,7 @@ def locked_state(tmp_path: Path) -> Iterator[Path]:
         holder.wait()
 
 
+@pytest.mark.process
 @pytest.mark.usefixtures("locked_state")
 def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
     tmp_path: Path, worker: FakeWorker

@@ -196,6 +196,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> None:
     """After fork the child's hooks are inert and attach() there makes a fresh agent."""
     result = _run(
@@ -217,6 +218,7 @@ def test_forked_child_has_no_agent_and_parent_keeps_its_own(tmp_path: Any) -> No
     assert "0 True" == result.stdout.strip(), result.stderr
 
 
+@pytest.mark.process
 def test_attach_twice_warns_and_detach_removes_every_hook(tmp_path: Any) -> None:
     """attach() twice returns the same agent with a warning; detach() leaves no hook behind."""
     result = _run(
@@ -258,6 +260,7 @@ def test_a_subclass_calling_super_step_counts_one_step() -> None:
         agent.shutdown()
 
 
+@pytest.mark.process
 def test_attach_on_a_torch_older_than_supported_is_a_no_op_with_one_warning(tmp_path: Any) -> None:
     """On torch < 2.4 attach() installs nothing, returns None and says why in one line."""
     result = _run(
@@ -275,6 +278,7 @@ def test_attach_on_a_torch_older_than_supported_is_a_no_op_with_one_warning(tmp_
     )
 
 
+@pytest.mark.process
 def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_descriptors(tmp_path: Any) -> None:
     """EMFILE while connecting is a retry, not a dead agent thread; after detach, no byte reaches a file
     that took over the agent's old descriptor numbers."""
@@ -311,6 +315,7 @@ def test_the_sender_survives_descriptor_exhaustion_and_never_writes_into_reused_
     assert "True [0, 0, 0, 0]" == result.stdout.strip(), result.stderr
 
 
+@pytest.mark.process
 def test_undecodable_bytes_in_argv_and_log_fields_still_reach_the_daemon(tmp_path: Any) -> None:
     """A surrogate-escaped argument (a Latin-1 file name) is sent as "?", not a dead agent thread."""
     from tests.support import start_daemon, wait_for

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO, DaemonProcess, select, start_daemon, wait_for
 
 # 2,000 events with 4 KiB details (what a recompile storm's guard texts look like) in one flush are
@@ -60,6 +62,7 @@ def _job(daemon: DaemonProcess, source: str, run: str, *args: str) -> subprocess
     )
 
 
+@pytest.mark.process
 def test_a_batch_larger_than_a_frame_is_sent_in_halves_and_an_item_larger_than_a_frame_is_counted(
     tmp_path: Path,
 ) -> None:
@@ -79,6 +82,7 @@ def test_a_batch_larger_than_a_frame_is_sent_in_halves_and_an_item_larger_than_a
         daemon.stop()
 
 
+@pytest.mark.process
 def test_a_daemon_restarted_again_and_again_costs_the_job_a_bounded_number_of_stderr_lines(tmp_path: Path) -> None:
     """Five daemon restarts under one job: the first three outages (connection.FREE_UNREACHABLE_NOTES) are
     each one line and a reconnect line, the later ones none; the job reconnects after every one and ends

@@ -98,6 +98,7 @@ def test_the_shown_command_is_quoted_and_bounded() -> None:
     assert SHOWN_COMMAND_CHARS == len(shown_command(["python", "x" * 1000]))
 
 
+@pytest.mark.process
 def test_the_identity_of_a_real_process_carries_the_scrubbed_command() -> None:
     code = (
         "import sys; from torchpulse.probes.agent.identity import current_identity; print(current_identity({}).command)"

@@ -439,6 +439,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.process
 def test_a_trace_on_a_full_disk_names_the_cause_and_frees_the_space(full_disk: Path) -> None:
     """Kineto only logs 'Failed to write to log file!' on the job's stderr: the answer names the cause, and
     by then the job no longer holds the partial file torch wrote (deleted, it kept the disk full)."""

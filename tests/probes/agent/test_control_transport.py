@@ -74,6 +74,7 @@ except OSError:
 """
 
 
+@pytest.mark.process
 def test_a_peer_streaming_commands_cannot_keep_the_sender_thread_reading(
     wired: tuple[Agent, Sender, socket.socket],
 ) -> None:

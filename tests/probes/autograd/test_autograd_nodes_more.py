@@ -19,6 +19,7 @@ from torchpulse.probes.autograd.nodes import iter_graph, roots_of
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.process
 def test_a_chain_deeper_than_the_walk_trains_on_and_is_walked_to_the_limit_only() -> None:
     """A 50,000-deep graph (a long unrolled recurrence) freed after a walked pass overflowed the
     stack in torch 2.13 (its nodes keep the Python objects a walk made): the job must live, and

@@ -7,6 +7,8 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO
 from torchpulse.probes.compile.logtap import LogTap
 
@@ -42,6 +44,7 @@ print(json.dumps({"probe": series, "torch": [counters["frames"]["ok"], sum(count
 """
 
 
+@pytest.mark.process
 def test_loggers_disabled_by_dict_config_still_feed_the_probe_and_stay_silent() -> None:
     """A job's dictConfig disables torch's loggers: compiles are still counted, nothing is printed, the flag comes back.
 

@@ -122,6 +122,7 @@ print(loaded_at_attach, trees_after_step, frames, errors)
 """
 
 
+@pytest.mark.process
 def test_attach_imports_no_dynamo_and_still_sees_compiles_after_the_job_imports_it() -> None:
     """Attach leaves Dynamo and Inductor unimported (an early Dynamo import makes DDP over gloo
     hang at exit now and then); the compile probe installs when the job imports Dynamo, and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -75,6 +76,7 @@ def test_cpu_optimizers_of_every_kind_have_nothing_to_fix() -> None:
         agent.shutdown()
 
 
+@pytest.mark.process
 def test_reduce_overhead_on_cpu_is_one_skip_per_compile_also_after_dynamo_reset() -> None:
     """A forward and its lazily compiled backward are one cpu_device skip, as torch counts, again after a reset."""
     agent: Any = local_agent(("cudagraphs",), optimizer_state_every=1)
