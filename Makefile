@@ -60,3 +60,11 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# On a CUDA machine, in one command of at most 4 minutes: the cuda-marked tests, a real daemon with a
+# CUDA-graphed job under `torchpulse run`, 2 ranks on one GPU with a DCP save, the GPU overhead benchmarks,
+# and /metrics against torch's own counters (bench/gpu_check.py). No venv there: python3 from PATH, and the
+# wheels it lacks from bench/gpu_wheels/. Without CUDA, GPU_CHECK_ARGS=--dry-run runs the CPU parts.
+.PHONY: gpu-check
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) bench/gpu_check.py $(GPU_CHECK_ARGS)
