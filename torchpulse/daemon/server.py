@@ -150,7 +150,8 @@ class AgentServer:
                     return
                 if registered is None:
                     if isinstance(frame, Hello):
-                        registered = self._hello(frame, peer, writer, connection)
+                        registered, older = self._register(frame, peer, writer, connection)
+                        self._welcome(frame, older, writer)
                         if self.on_checkpoint is not None:
                             budget = self.links.budget(registered[1]).events
                             announcements = Announcements(peer, self.on_checkpoint, self._announcing, budget)
@@ -198,8 +199,15 @@ class AgentServer:
             if task is not None:
                 self._tasks.discard(task)
 
-    def _hello(self, hello: Hello, peer: Peer | None, writer: asyncio.StreamWriter, connection: int) -> Registered:
-        """Register the rank the hello speaks for, on this connection from now on, and welcome it."""
+    def _register(
+        self, hello: Hello, peer: Peer | None, writer: asyncio.StreamWriter, connection: int
+    ) -> tuple[Registered, AgentLink | None]:
+        """Register the rank the hello speaks for, on this connection from now on.
+
+        Returns the rank and the connection that spoke for it until now, if one did. Nothing that can
+        raise runs between the registry's connect and the claim: once the caller holds the rank, its
+        close marks the rank disconnected whatever fails after.
+        """
         if self.registry.connections >= self.max_connections - CLIENT_RESERVE:
             raise FrameError(
                 "too_many_connections",
@@ -210,11 +218,15 @@ class AgentServer:
         previous = run.ranks.get(hello.rank) if run is not None else None
         older = self.links.link(previous) if previous is not None else None
         registered = self.registry.connect(hello, peer)
+        self.links.claim(registered[1], AgentLink(connection, writer.write, writer.close))
+        return registered, older
+
+    @staticmethod
+    def _welcome(hello: Hello, older: AgentLink | None, writer: asyncio.StreamWriter) -> None:
         if older is not None:
             # The older connection is dead or about to be: its frames must not
             # overwrite newer totals, nor its close mark the rank disconnected.
             older.close()
-        self.links.claim(registered[1], AgentLink(connection, writer.write, writer.close))
         writer.write(encode(Welcome(__version__)))
         log.info(
             "agent connected",
@@ -224,7 +236,6 @@ class AgentServer:
             host=hello.host,
             torch=hello.torch_version,
         )
-        return registered
 
     def _owns(self, registered: Registered, connection: int) -> bool:
         """Whether `connection` still speaks for its rank (no newer hello took it over)."""

@@ -13,7 +13,6 @@ the state store and the watcher exist from `start` to `close`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,14 +75,27 @@ class CheckpointService:
     # -- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         store = StateStore(self._state_dir)
-        self.stats.restore(store.latest_per_root(), store.last_valid_per_root())
+        watcher: Watcher | None = None
+        try:
+            self.stats.restore(store.latest_per_root(), store.last_valid_per_root())
+            watcher = Watcher(
+                asyncio.get_running_loop(), self._on_watch_event, self.config.poll_interval_seconds, self._read_mounts
+            )
+            await self._start(store, watcher)
+        except BaseException:
+            if self._started is None:  # out of close()'s reach: a failed start leaves no open state file
+                if watcher is not None:
+                    await off_loop(watcher.stop, "torchpulse-watch-stop")
+                store.close()
+            raise
+
+    def _read_mounts(self) -> list[Mount]:
+        return read_mounts() if self._mounts is None else list(self._mounts)
+
+    async def _start(self, store: StateStore, watcher: Watcher) -> None:
         roots = RootSet(lambda: self.config, store, self.stats, self._clock, self._log_once)
         roots.restore()
-        roots.expire()  # before the watcher exists: the one sync below covers it
-        mounts: Callable[[], list[Mount]] = (
-            read_mounts if self._mounts is None else functools.partial(list, self._mounts)
-        )
-        watcher = Watcher(asyncio.get_running_loop(), self._on_watch_event, self.config.poll_interval_seconds, mounts)
+        roots.expire()  # before the first sync of the watches: that sync covers it
         watches = RootWatches(watcher, roots.wanted, self._root_readable)
         records = Records(store, self.stats)
         sweeps = Sweeps(
