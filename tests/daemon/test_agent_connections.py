@@ -503,3 +503,40 @@ def test_making_room_for_a_rank_forgets_an_exited_rank_before_a_crashed_one() ->
     registry.disconnect(run, finished, owned=True)
     registry.connect(_hello("room", 2, 3), None)
     assert [0, 2] == sorted(run.ranks)
+
+
+def test_a_hello_that_fails_after_the_registry_took_it_leaves_the_rank_disconnected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process server, a real socket: when the welcome fails (a daemon bug, a transport that refuses
+    the write), the connection is refused with internal_error and its close still marks the rank
+    disconnected and frees its connection count, so the rank alerts as down rather than looking held."""
+
+    def broken_welcome(hello: Hello, older: object, writer: asyncio.StreamWriter) -> None:
+        raise RuntimeError("the welcome failed")
+
+    monkeypatch.setattr(AgentServer, "_welcome", staticmethod(broken_welcome))
+    path = tmp_path / "agent.sock"
+
+    async def main() -> tuple[bool, int, float | None, dict[str, int]]:
+        registry = Registry()
+        links = ConnectionTable()
+        status = StatusReply("x", 0.0, 0, 0, {}, [])
+        agents = AgentServer(registry, links, lambda: status, ControlHub(registry, links, lambda: ""))
+        await agents.start(path)
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(encode(_hello("failing", 0)))
+            await asyncio.wait_for(reader.read(), 10)  # the refusal, then the close
+            writer.close()
+            deadline = time.monotonic() + 10
+            while registry.runs["failing"].ranks[0].connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            run = registry.runs["failing"]
+            return run.ranks[0].connected, registry.connections, run.ended_at, dict(registry.frames_rejected)
+        finally:
+            await agents.close()
+
+    connected, connections, ended_at, rejected = asyncio.run(main())
+    assert (False, 0, {"internal_error": 1}) == (connected, connections, rejected)
+    assert ended_at is not None

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from tests.daemon.checkpoints.conftest import run_service
 from tests.daemon.checkpoints.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
+from torchpulse.daemon.checkpoints.root_set import RootSet
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.state import DB_NAME, Record, StateStore
 from torchpulse.protocol import CheckpointSaved
@@ -141,3 +142,29 @@ def test_persistent_says_whether_results_reach_the_file_while_a_removed_one_cann
         assert ("key", "key") == (again.key_of("/ckpt/step-1"), again.key_of("/ckpt/step-2"))
     finally:
         again.close()
+
+
+def test_a_start_that_fails_half_way_closes_its_state_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that raises before the service is composed leaves no open state file behind: close() could
+    not reach it, and a daemon that retries would hold one more SQLite connection each time."""
+    closed: list[Path] = []
+    real_close = StateStore.close
+
+    def recording_close(self: StateStore) -> None:
+        closed.append(tmp_path)
+        real_close(self)
+
+    def broken_restore(self: RootSet) -> None:
+        raise RuntimeError("restore failed")
+
+    monkeypatch.setattr(StateStore, "close", recording_close)
+    monkeypatch.setattr(RootSet, "restore", broken_restore)
+    service = CheckpointService(CheckpointsConfig(), tmp_path / "state")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="restore failed"):
+            await service.start()
+        await service.close()  # after a failed start: nothing left to close, and no error
+
+    asyncio.run(main())
+    assert ([tmp_path], None) == (closed, service.store)
