@@ -1,4 +1,4 @@
-"""Shared fixtures (a real daemon process, scraping, an agent without transport) and the two test tiers.
+"""Shared fixtures (a real daemon process, a saved checkpoint, a directory every user reaches) and the test tiers.
 
 The process tier (`pytest.mark.process`) is every test that starts a process (a job, a daemon, a
 checkpoint-saving rank, a worker, Prometheus): marked by hand, through `slow`, or by the fixtures that start
@@ -16,13 +16,16 @@ import tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchpulse-inductor-"))
 
 import _posixsubprocess
+import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from tests.checkpoints.conftest import SAVE_SCRIPT
 from tests.support import DaemonProcess, require_tool, start_daemon
 
 # No per-example deadline: the 2-core machine is shared, and a slow example is not a failure.
@@ -95,3 +98,28 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A genuine single-process DCP checkpoint (AdamW state, bytes items), saved once: never mutate it, copy it."""
+    out = tmp_path_factory.mktemp("saved") / "ckpt"
+    subprocess.run(
+        [sys.executable, str(SAVE_SCRIPT), "single", str(out)],
+        check=True,
+        timeout=120,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return out
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory every user can traverse (pytest's tmp_path is the test user's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="torchpulse-users-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -183,6 +183,9 @@ MAX_LOGGED_ONCE: Final = 1024
 MAX_PENDING_ANNOUNCEMENTS: Final = 64
 """Announcements of one connection waiting for their check: a job sends one per save, a longer queue floods."""
 
+MAX_ANNOUNCED_SUFFIX_PARTS: Final = 16
+"""Trailing components of a container's path tried under each configured root: one stat each, never a walk."""
+
 MAX_SCAN_DEPTH: Final = 4
 """Checkpoints sit a few levels under a root (root/run/step-N); deeper trees are not walked."""
 

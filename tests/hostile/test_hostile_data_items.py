@@ -25,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from tests.checkpoints.ckpt_corrupt import entry, load_md, save_md, settle
+from tests.checkpoints.conftest import SAVE_SCRIPT
 from tests.support import REPO
 from torchpulse.checkpoints.data_reader import read_data
 from torchpulse.checkpoints.model import Checkpoint, DataReport, Level, Status, ValidationResult
@@ -34,7 +35,6 @@ from torchpulse.checkpoints.worker import Limits, validate_in_worker
 
 DATA = "__0_0.distcp"
 W, EXP_AVG, LR = "model.0.weight", "optim.state.0.weight.exp_avg", "optim.param_groups.0.lr"
-SAVE_SCRIPT = REPO / "tests" / "checkpoints" / "ckpt_save.py"
 
 
 def _copy(saved: Path, tmp_path: Path) -> Path:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support import REPO, local_agent
-from torchpulse.daemon.checkpoints.announcements import announcement_refused
+from torchpulse.daemon.checkpoints.announcements import Refused, checked_announcement
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -177,4 +177,5 @@ def test_the_daemon_checks_the_directory_it_will_validate_not_the_one_a_symlink_
         os.lchown(tmp_path / "link", uid, uid)
     announced = str(tmp_path.joinpath("link", *[".."] * climb, "etc"))
     assert (str(tmp_path / "etc"), "/etc") == (os.path.realpath(announced), os.path.normpath(announced))
-    assert f"/etc belongs to uid 0, not to the job's user (uid {uid})" == announcement_refused(announced, uid)
+    refused = Refused(f"/etc belongs to uid 0, not to the job's user (uid {uid})")
+    assert refused == checked_announcement(announced, uid, None, ())

@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from torchpulse.aio import HeldReplies, close_connection
-from torchpulse.daemon.checkpoints.announcements import Announcements
+from torchpulse.daemon.checkpoints.announcements import Announcements, CheckpointSink
 from torchpulse.daemon.connections import AgentLink, ConnectionTable
 from torchpulse.daemon.control import ControlHub
 from torchpulse.daemon.ctl_session import serve_ctl
@@ -52,7 +52,6 @@ from torchpulse.limits import (
 )
 from torchpulse.protocol import (
     Batch,
-    CheckpointSaved,
     CommandResult,
     CtlRequest,
     ErrorReply,
@@ -78,11 +77,11 @@ class AgentServer:
         links: ConnectionTable,
         status: Callable[[], StatusReply],
         control: ControlHub,
-        on_checkpoint: Callable[[str, int, CheckpointSaved], None] | None = None,
+        checkpoints: CheckpointSink | None = None,
     ) -> None:
         self.registry = registry
         self.links = links  # which connection speaks for each rank: this server is its one writer
-        self.on_checkpoint = on_checkpoint
+        self.checkpoints = checkpoints  # announcements go there once checked
         self.status = status
         self.control = control
         self._server: asyncio.AbstractServer | None = None
@@ -152,9 +151,9 @@ class AgentServer:
                     if isinstance(frame, Hello):
                         registered, older = self._register(frame, peer, writer, connection)
                         self._welcome(frame, older, writer)
-                        if self.on_checkpoint is not None:
+                        if self.checkpoints is not None:
                             budget = self.links.budget(registered[1]).events
-                            announcements = Announcements(peer, self.on_checkpoint, self._announcing, budget)
+                            announcements = Announcements(peer, self.checkpoints, self._announcing, budget)
                     elif isinstance(frame, StatusRequest):
                         await self._send_status(writer)
                         return

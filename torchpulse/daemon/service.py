@@ -71,9 +71,7 @@ class Daemon:
         )
         links = ConnectionTable()
         self.control = ControlHub(self.registry, links, lambda: self.config.daemon.control_group)
-        self.agents = AgentServer(
-            self.registry, links, self.status, self.control, on_checkpoint=self.checkpoints.announce
-        )
+        self.agents = AgentServer(self.registry, links, self.status, self.control, checkpoints=self.checkpoints)
         self.metrics = MetricsServer(self.exposition)
         self._stopping = asyncio.Event()
         self._reload_requested = False

@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLONE_NEWNS",
+    "MS_BIND",
+    "MS_PRIVATE",
+    "MS_REC",
+    "NOBODY",
     "SAVE_SCRIPT",
     "enter_user_namespace",
     "file_modes_bind",
+    "hidden_proc",
     "idle",
     "rewrite_a_shard",
     "run_ranks",
@@ -40,8 +45,10 @@ __all__ = [
 PR_CAPBSET_DROP = 24
 # Root passes every permission check through these two; without them, file modes bind it as any other user.
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
+CAP_SYS_PTRACE = 19  # root sees every process whatever /proc's hidepid says, unless it lacks this
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 
 
 def run_service(
@@ -90,6 +97,30 @@ def file_modes_bind() -> Callable[[], None]:
     return tried(preexec, "cannot drop root's file permission override")
 
 
+def hidden_proc() -> Callable[[], None]:
+    """A preexec_fn for a daemon as the systemd unit runs it (PrivateMounts=yes, ProtectProc=invisible): a mount
+    namespace of its own with /proc mounted hidepid=invisible, and without CAP_SYS_PTRACE, so that root's daemon,
+    like the unit's `torchpulse` user, sees no process of another user there. Needs root; skips without."""
+    if os.geteuid() != 0:
+        pytest.skip("hiding other users' processes from the daemon needs root")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        def check(result: int, what: str) -> None:
+            if result != 0:
+                raise OSError(ctypes.get_errno(), what)
+
+        check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+        # gid= names the group that still sees everything: 0 by default, which root's daemon is in and the unit's
+        # `torchpulse` user is not; 65533 is a group of nobody's here.
+        hide = b"hidepid=invisible,gid=65533"
+        check(libc.mount(b"proc", b"/proc", b"proc", 0, hide), "mount -t proc -o hidepid=invisible")
+        check(libc.prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE, 0, 0, 0), "prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE)")
+
+    return tried(preexec, "cannot mount a private /proc with hidepid")
+
+
 def tried(preexec: Callable[[], None], refused: str) -> Callable[[], None]:
     """`preexec` once it has run in a trial child; where the kernel refuses it, the test skips saying `refused`."""
     try:
@@ -128,14 +159,6 @@ def save_single(out: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-
-
-@pytest.fixture(scope="session")
-def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A committed checkpoint to copy into watched roots (copying is faster than saving)."""
-    out = tmp_path_factory.mktemp("saved") / "ckpt"
-    save_single(out)
-    return out
 
 
 def commit_copy(source: Path, target: Path) -> None:

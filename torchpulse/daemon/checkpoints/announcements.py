@@ -8,7 +8,9 @@ never on a kernel filesystem (announcing /proc/PID/x made the daemon watch all o
 A job in a container names the path in its own mount namespace. The agent sends the directory's st_dev and
 st_ino with it, and the announcement is passed on only where the daemon's path names that same directory: a
 checkpoint bind-mounted at another host path was otherwise validated as whatever unrelated directory the host
-had at the container's path.
+had at the container's path. Where the daemon's path names another directory, the job's is looked for under
+the configured roots by the path's trailing components (a pod's /ckpt/run/step-1 is the volume's R/run/step-1)
+and passed on with the daemon's path.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import functools
 import stat
 import time
 from collections import deque
-from collections.abc import Callable
-from pathlib import Path
-from typing import Final
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Final, Protocol
 
+import msgspec
 import structlog
 
 from torchpulse.bounds import TokenBucket
@@ -30,7 +34,7 @@ from torchpulse.daemon.checkpoints.paths import normalize
 from torchpulse.daemon.logs import cut
 from torchpulse.daemon.offloop import off_loop
 from torchpulse.daemon.peercred import Peer
-from torchpulse.limits import MAX_PENDING_ANNOUNCEMENTS
+from torchpulse.limits import MAX_ANNOUNCED_SUFFIX_PARTS, MAX_PENDING_ANNOUNCEMENTS
 from torchpulse.protocol import CheckpointSaved, LogEvent, checkpoint_saved
 
 log = structlog.get_logger("torchpulse.daemon.server")  # the logger these lines always had
@@ -63,6 +67,14 @@ KERNEL_FILESYSTEMS: Final = frozenset(
 )
 
 
+class CheckpointSink(Protocol):
+    """Where checked announcements go (the checkpoint service), and the roots it watches whoever owns them."""
+
+    def announce(self, run: str, rank: int, saved: CheckpointSaved) -> None: ...
+
+    def configured_roots(self) -> tuple[str, ...]: ...
+
+
 class Announcements:
     """One connection's checkpoint announcements, each checked off the loop, in order, one at a time.
 
@@ -74,12 +86,12 @@ class Announcements:
     def __init__(
         self,
         peer: Peer | None,
-        deliver: Callable[[str, int, CheckpointSaved], None],
+        sink: CheckpointSink,
         tasks: set[asyncio.Task[None]],
         log_budget: TokenBucket,
     ) -> None:
         self._uid = peer.uid if peer is not None else None
-        self._deliver = deliver
+        self._sink = sink
         self._tasks = tasks
         self._log_budget = log_budget
         self._queue: deque[tuple[str, int, CheckpointSaved]] = deque()
@@ -92,7 +104,7 @@ class Announcements:
                 continue
             if not saved.validate or not saved.path.startswith("/"):
                 # Nothing to watch: the service skips ranks other than 0, refuses relative paths, skips URLs.
-                self._deliver(run, rank, saved)
+                self._sink.announce(run, rank, saved)
             elif len(self._queue) >= MAX_PENDING_ANNOUNCEMENTS:
                 if self._log_budget.take(time.monotonic()):
                     log.warning(
@@ -114,13 +126,14 @@ class Announcements:
             while self._queue:
                 run, rank, saved = self._queue.popleft()
                 try:
-                    check = functools.partial(announcement_refused, saved.path, self._uid, saved.identity())
-                    refused = await off_loop(check, "torchpulse-announcement-check")
+                    roots = self._sink.configured_roots()  # read on the loop, which owns the config
+                    check = functools.partial(checked_announcement, saved.path, self._uid, saved.identity(), roots)
+                    checked = await off_loop(check, "torchpulse-announcement-check")
                 except Exception:  # a daemon bug costs this announcement, never the next ones
                     log.exception("checkpoint announcement check failed", run=run, rank=rank, path=cut(saved.path))
                     continue
-                if refused is None:
-                    self._deliver(run, rank, saved)
+                if isinstance(checked, str):
+                    self._deliver(run, rank, saved, checked)
                 elif self._log_budget.take(time.monotonic()):
                     log.warning(
                         "checkpoint announcement refused: not validated, its directory not watched",
@@ -128,23 +141,82 @@ class Announcements:
                         rank=rank,
                         path=cut(saved.path),
                         uid=self._uid,
-                        reason=refused,
+                        reason=checked.reason,
                         fix="a [checkpoints] root in the daemon's config is watched whoever owns it",
                     )
         finally:
             self._check = None
 
+    def _deliver(self, run: str, rank: int, saved: CheckpointSaved, path: str) -> None:
+        if path != saved.path:
+            if self._log_budget.take(time.monotonic()):
+                log.info(
+                    "checkpoint announcement found under a configured root",
+                    run=run,
+                    rank=rank,
+                    path=cut(saved.path),
+                    found=cut(path),
+                )
+            saved = msgspec.structs.replace(saved, path=path)
+        self._sink.announce(run, rank, saved)
 
-def announcement_refused(path: str, uid: int | None, identity: tuple[int, int] | None = None) -> str | None:
-    """Why an agent of `uid` may not have the daemon validate `path` and watch its parent; None when it may.
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why an announcement is not validated: its directory is not watched either."""
+
+    reason: str
+
+
+def checked_announcement(
+    path: str, uid: int | None, identity: tuple[int, int] | None, roots: Sequence[str]
+) -> str | Refused:
+    """The daemon's path of the directory an agent of `uid` announced at `path`, or why it may not have it validated.
 
     Blocking (stats; a network filesystem may stall). The daemon reads with its own permissions,
     often a project group's, and exports what it finds: a job points it only at directories its
     own user owns (root's at any), and nobody's at a kernel filesystem. `identity` is (st_dev, st_ino)
-    of the directory the job saved, when its agent sent it: `path` must name that directory here too.
+    of the directory the job saved, when its agent sent it: the daemon's path must name that directory. Where
+    `path` names another one here (a container's view), the directory is looked for under the configured
+    `roots` by the path's trailing components.
     """
     if uid is None:
-        return "the announcing process cannot be identified (no SO_PEERCRED)"
+        return Refused("the announcing process cannot be identified (no SO_PEERCRED)")
+    here = _here(path, identity)
+    if isinstance(here, str) and identity is not None:
+        found = found_under_roots(path, identity, roots)
+        if found is None:
+            return Refused(f"{here} (nor under any of the {len(roots)} configured roots)" if roots else here)
+        path, here = found, _here(found, identity)  # resolved as the service will, the identity checked again
+    if isinstance(here, str):
+        return Refused(here)
+    refused = _not_the_users(here, uid)
+    return path if refused is None else Refused(refused)
+
+
+def found_under_roots(path: str, identity: tuple[int, int], roots: Sequence[str]) -> str | None:
+    """`root/suffix` for the first configured root and trailing components of `path`, longest first, that name the
+    directory `identity` names; None when none does.
+
+    A volume mounted at /ckpt in a pod is some host directory R: the job's /ckpt/run/step-1 is R/run/step-1, or
+    R/ckpt/run/step-1 where R is its parent. One stat per try, a bounded number: no root's tree is walked, and
+    nothing of the job's (its /proc, which may be gone or hidden) is read.
+    """
+    parts = PurePosixPath(normalize(path)).parts[1:][-MAX_ANNOUNCED_SUFFIX_PARTS:]
+    for start in range(len(parts)):
+        for root in roots:
+            candidate = normalize(str(PurePosixPath(root, *parts[start:])))
+            try:
+                info = Path(candidate).stat()
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == identity:
+                return candidate
+    return None
+
+
+def _here(path: str, identity: tuple[int, int] | None) -> Path | str:
+    """`path` resolved here, or why it names no directory here or not the one the job saved."""
     try:
         # What the service validates and whose parent it watches: the path normalized as it does, `..` taken
         # lexically. Resolving the path as sent instead checked another directory when a `..` followed a
@@ -155,6 +227,11 @@ def announcement_refused(path: str, uid: int | None, identity: tuple[int, int] |
         return reason if identity is None else f"{reason} ({_OTHER_NAMESPACE})"
     if identity is not None and (mismatch := _another_directory(real, identity)):
         return mismatch
+    return real
+
+
+def _not_the_users(real: Path, uid: int) -> str | None:
+    """Why the checkpoint directory `real` is not one a job of `uid` may have validated; None when it is."""
     mounts = read_mounts()
     for directory in (real, real.parent):
         fs_type = fs_type_of(str(directory), mounts)
@@ -180,7 +257,8 @@ def announcement_refused(path: str, uid: int | None, identity: tuple[int, int] |
 # Why a path the job saved to is missing or another directory here; what the user does about it.
 _OTHER_NAMESPACE = (
     "if the job runs in a container (another mount namespace), mount the checkpoint directory at "
-    "the same path in it as on the daemon's host, or list its host path as a [checkpoints] root"
+    "the same path in it as on the daemon's host, or list the host directory its volume comes from as a "
+    "[checkpoints] root, where the daemon then finds it by the path's trailing components"
 )
 
 

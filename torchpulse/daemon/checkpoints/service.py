@@ -149,6 +149,10 @@ class CheckpointService:
         """(roots watched, roots whose latest checkpoint is not valid)."""
         return len(self._wanted()), self.stats.not_valid()
 
+    def configured_roots(self) -> tuple[str, ...]:
+        """The roots of the config, watched whoever owns them; an announcement's directory may be found there."""
+        return tuple(root.path for root in self.config.roots)
+
     def roots(self) -> list[str]:
         """The roots wanted now, configured and announced, sorted."""
         return sorted(self._wanted())
