@@ -89,6 +89,14 @@ def test_panel_ids_unique_and_grid_fits(dashboard: dict[str, Any]) -> None:
     assert outside == []
 
 
+def test_no_panel_options_are_null_and_variable_ids_are_unique(dashboard: dict[str, Any]) -> None:
+    """What the dashboard SDK's builders write by default and Grafana misreads: a panel of no option set as
+    `"options": null`, and one id shared by every variable (Grafana keys variables by id)."""
+    null_options = [p["title"] for p in dashboard["panels"] if p["type"] != "row" and p.get("options") is None]
+    ids = [variable.get("id", variable["name"]) for variable in dashboard["templating"]["list"]]
+    assert ([], len(ids)) == (null_options, len(set(ids)))
+
+
 def test_template_variables(dashboard: dict[str, Any]) -> None:
     """datasource is a Prometheus datasource variable; run and rank come from torchpulse metrics."""
     variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
