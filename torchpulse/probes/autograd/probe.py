@@ -296,7 +296,7 @@ class AutogradProbe(Probe):
             budget = self._nonfinite_log
             if not budget.take(time.monotonic()):
                 continue
-            params = [p for p in (ref() for ref in result.nonfinite) if p is not None]
+            params = [param for param in result.nonfinite if param is not None]
             shown = self._names.names(params[: self.config.max_names_logged])
             # How many non-finite passes went unlogged since the previous line (the counter has them all).
             skipped = {"passes_not_logged": budget.suppressed} if budget.suppressed else {}
