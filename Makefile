@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.torchpulse-installed
 # first keeps pip from resolving `torch` to a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint bench fuzz clean
+.PHONY: demo test test-fast lint docs bench fuzz clean
 
 # The daemon's C parts are built at install: a change to one reinstalls.
 $(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c) $(wildcard torchpulse/*/*.h)
@@ -19,12 +19,21 @@ $(STAMP): pyproject.toml $(wildcard torchpulse/*/*.c) $(wildcard torchpulse/*/*.
 demo: $(STAMP)
 	$(PY) -m torchpulse.demo
 
+# Both tiers, one test per worker per core (pytest-xdist): most tests wait on the processes they start. Each
+# worker steals from the others at the end, so one long file does not hold the run; checkpoints the tests
+# share are saved once per run (tests/support.py's built_once).
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # Everything that starts no process, no daemon and no Prometheus (a test there that does fails).
 test-fast: $(STAMP)
 	TORCHPULSE_TEST_TIER=fast $(PY) -m pytest -q -p no:cacheprovider -m "not process" $(PYTEST_ARGS)
+
+# docs/metrics.md and dashboards/metrics.txt from torchpulse/catalog/, docs/configuration.md from the config
+# code; tests/test_docs.py fails while they differ from what this writes.
+docs: $(STAMP)
+	$(PY) -m torchpulse.docgen
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check torchpulse tests bench fuzz

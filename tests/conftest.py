@@ -26,7 +26,7 @@ import pytest
 from hypothesis import settings
 
 from tests.checkpoints.conftest import SAVE_SCRIPT
-from tests.support import DaemonProcess, require_tool, start_daemon
+from tests.support import DaemonProcess, built_once, require_tool, start_daemon
 
 # No per-example deadline: the 2-core machine is shared, and a slow example is not a failure.
 # In CI the examples are derandomized, so a CI result is the same on every run and reproduces.
@@ -101,17 +101,33 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture(scope="session")
-def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A genuine single-process DCP checkpoint (AdamW state, bytes items), saved once: never mutate it, copy it."""
-    out = tmp_path_factory.mktemp("saved") / "ckpt"
-    subprocess.run(
-        [sys.executable, str(SAVE_SCRIPT), "single", str(out)],
-        check=True,
-        timeout=120,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return out
+def run_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temporary directory shared by the whole test run: every worker of the parallel runner sees the same."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def single_root(run_tmp: Path) -> Path:
+    """Single-process checkpoints (nested, flat, model-only, zstd, safetensors), saved once per run: copy, never
+    mutate."""
+
+    def save(root: Path) -> None:
+        subprocess.run(
+            [sys.executable, str(SAVE_SCRIPT), "all_single", str(root)],
+            check=True,
+            timeout=300,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    return built_once(run_tmp, "single", save)
+
+
+@pytest.fixture(scope="session")
+def saved_checkpoint(single_root: Path) -> Path:
+    """A genuine single-process DCP checkpoint (AdamW state, bytes items): never mutate it, copy it."""
+    return single_root / "single"
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,10 +15,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filelock import FileLock
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+
+def built_once(base: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """`base/name`, made by `build` once per test run: the first of the parallel runner's workers to ask builds
+    it under a file lock while the others wait, then all read it. `base` is the run's shared temporary directory
+    (see tests/conftest.py's `run_tmp`). A build that failed is tried again by the next to ask."""
+    path, done = base / name, base / f"{name}.done"
+    with FileLock(base / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
+    return path
 
 
 def free_port() -> int:

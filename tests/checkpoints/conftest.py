@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import built_once
+
 SAVE_SCRIPT = Path(__file__).with_name("ckpt_save.py")
 
 
@@ -47,24 +49,20 @@ def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0, script: 
 
 
 @pytest.fixture(scope="session")
-def single_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Single-process checkpoints: nested, flat, model-only, zstd, safetensors."""
-    root = tmp_path_factory.mktemp("single")
-    subprocess.run([sys.executable, str(SAVE_SCRIPT), "all_single", str(root)], check=True)
-    return root
+def dist2_root(run_tmp: Path) -> Path:
+    """2-rank FSDP2, 2-rank DDP and 2-rank per-rank-metadata checkpoints, saved once per run."""
+
+    def save(root: Path) -> None:
+        assert [0, 0] == run_ranks("fsdp", root, 2)
+
+    return built_once(run_tmp, "dist2", save)
 
 
 @pytest.fixture(scope="session")
-def dist2_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2-rank FSDP2, 2-rank DDP and 2-rank per-rank-metadata checkpoints."""
-    root = tmp_path_factory.mktemp("dist2")
-    assert [0, 0] == run_ranks("fsdp", root, 2)
-    return root
+def dist4_root(run_tmp: Path) -> Path:
+    """A 4-rank FSDP2 checkpoint: the 5-row layer shards 2, 2, 1, 0 (a zero-size chunk); saved once per run."""
 
+    def save(root: Path) -> None:
+        assert [0, 0, 0, 0] == run_ranks("fsdp_only", root, 4)
 
-@pytest.fixture(scope="session")
-def dist4_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-rank FSDP2 checkpoint: the 5-row layer shards 2, 2, 1, 0 (a zero-size chunk)."""
-    root = tmp_path_factory.mktemp("dist4")
-    assert [0, 0, 0, 0] == run_ranks("fsdp_only", root, 4)
-    return root
+    return built_once(run_tmp, "dist4", save)
