@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # Both tiers, one test per worker per core (pytest-xdist): most tests wait on the processes they start. Each
 # worker steals from the others at the end, so one long file does not hold the run; checkpoints the tests
-# share are saved once per run (tests/support.py's built_once).
+# share are saved once per run (tests/support/'s built_once).
 TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)

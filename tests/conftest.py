@@ -27,6 +27,9 @@ from hypothesis import settings
 
 from tests.checkpoints.conftest import SAVE_SCRIPT
 from tests.support import DaemonProcess, built_once, require_tool, start_daemon
+from tests.support.guards import no_swallowed_probe_errors, no_thread_leaks
+
+__all__ = ["no_swallowed_probe_errors", "no_thread_leaks"]  # autouse: every test runs under both
 
 # No per-example deadline: the 2-core machine is shared, and a slow example is not a failure.
 # In CI the examples are derandomized, so a CI result is the same on every run and reproduces.
@@ -37,9 +40,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 FAST_TIER = os.environ.get("TORCHPULSE_TEST_TIER") == "fast"
 # Fixtures that start a process: a test using one is in the process tier (inductor's `scenario` runs the C++
-# compiler; the others start daemons, jobs or checkpoint-saving ranks).
+# compiler; `require_tool` hands out promtool, Prometheus or systemd-analyze to run; the others start daemons,
+# jobs or checkpoint-saving ranks).
 PROCESS_FIXTURES = frozenset(
     {
+        "require_tool",
         "daemon",
         "small_budget_daemon",
         "known",

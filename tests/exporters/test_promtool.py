@@ -7,6 +7,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import require_tool
@@ -50,6 +51,7 @@ def _promtool(text: bytes) -> tuple[int, str, str]:
     return result.returncode, result.stdout.decode(), result.stderr.decode()
 
 
+@pytest.mark.process
 def test_every_family_passes_promtool_with_no_complaint() -> None:
     """Names, units, HELP, TYPE and histogram series of every family: promtool prints nothing."""
     assert (0, "", "") == _promtool(_everything())
@@ -62,6 +64,7 @@ def test_no_family_is_exposed_twice() -> None:
     assert {f.exposed_name for f in CATALOG.values()} <= set(types)
 
 
+@pytest.mark.process
 def test_the_textfile_is_the_same_exposition_and_passes_promtool(tmp_path: Path) -> None:
     """What node_exporter reads is byte for byte the exposition, with no timestamps (it refuses those)."""
     data = _everything()

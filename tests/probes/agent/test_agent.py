@@ -131,6 +131,7 @@ def test_full_buffer_drops_and_counts_instead_of_blocking() -> None:
         agent.shutdown()
 
 
+@pytest.mark.probe_errors
 def test_a_probe_bug_disables_the_probe_once_and_never_reaches_the_job(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -352,6 +353,7 @@ def test_undecodable_bytes_in_argv_and_log_fields_still_reach_the_daemon(tmp_pat
         daemon.stop()
 
 
+@pytest.mark.probe_errors
 def test_a_probe_failing_on_the_agent_thread_leaves_hook_tables_alone() -> None:
     """A record handler that raises on the agent's thread disables its probe without removing hooks
     there (the training thread may be iterating that table); detach removes them."""

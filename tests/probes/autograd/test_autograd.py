@@ -179,6 +179,7 @@ def test_detach_restores_torch_and_leaves_no_hook_on_a_live_graph(monkeypatch: A
     assert 0 == calls[0]
 
 
+@pytest.mark.probe_errors
 def test_probe_bug_disables_the_probe_and_never_reaches_the_job(monkeypatch: Any) -> None:
     """An error inside the probe: the pass completes, gradients are right, the error is counted."""
     from torchpulse.probes.autograd.nonfinite import GradCheck

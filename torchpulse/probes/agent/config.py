@@ -11,6 +11,10 @@ from pathlib import Path
 from torchpulse.paths import agent_socket_path
 
 DEFAULT_PROBES = ("optimizer", "autograd", "compile", "cudagraphs", "checkpoint")
+# What a probe's own bug does (TORCHPULSE_PROBE_ERRORS): "disable" logs it once, counts it and switches that probe
+# off while the job trains on; "fatal" ends the process with the traceback, for the probes' own tests and CI,
+# where a probe that quietly disabled itself would let a broken probe's test pass.
+PROBE_ERROR_MODES = ("disable", "fatal")
 
 
 class OptionError(ValueError):
@@ -55,6 +59,7 @@ class AgentConfig:
     backoff_initial: float = 0.25
     backoff_max: float = 5.0
     optimizer_state_every: int = 100
+    probe_errors: str = "disable"
     options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,16 +71,20 @@ class AgentConfig:
             raise ValueError("need 0 < backoff_initial <= backoff_max")
         if self.optimizer_state_every < 1:
             raise ValueError("optimizer_state_every must be >= 1")
+        if self.probe_errors not in PROBE_ERROR_MODES:
+            raise ValueError(f"TORCHPULSE_PROBE_ERRORS: expected disable or fatal, got {self.probe_errors!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> AgentConfig:
-        """Build from TORCHPULSE_SOCKET, TORCHPULSE_PROBES, TORCHPULSE_FLUSH_INTERVAL."""
+        """Build from TORCHPULSE_SOCKET, TORCHPULSE_PROBES, TORCHPULSE_FLUSH_INTERVAL, TORCHPULSE_PROBE_ERRORS."""
         env = os.environ if env is None else env
         values: dict[str, object] = {"socket_path": agent_socket_path(env)}
         if env.get("TORCHPULSE_PROBES"):
             values["probes"] = probe_names(env["TORCHPULSE_PROBES"])
         if env.get("TORCHPULSE_FLUSH_INTERVAL"):
             values["flush_interval"] = _seconds(env["TORCHPULSE_FLUSH_INTERVAL"], "TORCHPULSE_FLUSH_INTERVAL")
+        if env.get("TORCHPULSE_PROBE_ERRORS"):
+            values["probe_errors"] = env["TORCHPULSE_PROBE_ERRORS"].strip()
         values["options"] = {
             k[len("TORCHPULSE_OPT_") :].lower(): v for k, v in env.items() if k.startswith("TORCHPULSE_OPT_")
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import traceback
 import weakref
@@ -195,6 +196,7 @@ class Probe:
             self.uninstall()
         except Exception:  # a broken uninstall must not reach the job either
             self.enabled = False
+        after_probe_error(self, exc)
 
     def _count_error(self) -> None:
         self.agent.store.inc("agent_probe_errors_total", (self.name,))
@@ -226,3 +228,21 @@ class Probe:
         # Dynamo must not trace into our hooks: they would break graphs or be
         # baked into them.
         return disable_tracing(guarded)
+
+
+# The exit status of a process that TORCHPULSE_PROBE_ERRORS=fatal ended (EX_SOFTWARE: an internal error).
+PROBE_ERROR_EXIT_STATUS = 70
+
+
+def after_probe_error(probe: Probe, exc: BaseException) -> None:
+    """What a probe's bug does once the probe is off: nothing more, or, under TORCHPULSE_PROBE_ERRORS=fatal, the
+    end of the process with the traceback on stderr (from any thread: a raise on the sender thread would end
+    only that thread). Looked up at each call, so that the test suite can record errors in its own process."""
+    if probe.agent.config.probe_errors != "fatal":
+        return
+    sys.stderr.write(
+        f"torchpulse: probe {probe.name} failed; exiting as TORCHPULSE_PROBE_ERRORS=fatal asks\n"
+        + "".join(traceback.format_exception(exc))
+    )
+    sys.stderr.flush()
+    os._exit(PROBE_ERROR_EXIT_STATUS)

@@ -18,7 +18,7 @@ from pathlib import Path
 from filelock import FileLock
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
 
