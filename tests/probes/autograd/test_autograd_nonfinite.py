@@ -49,10 +49,10 @@ def test_nan_in_one_gradient_is_counted_once_and_named(grad_norm: str) -> None:
             assert math.isfinite(agent.store.value("grad_norm", ()))  # the last pass was clean
 
 
-def test_a_model_dropped_before_the_sender_reads_its_check_still_has_its_parameters_counted_and_named() -> None:
-    """A sweep drops a diverged trial's model right after its non-finite pass, before the agent's sender thread
-    handles the check: the log line still names what the resolver knew (a model it named at an earlier
-    non-finite pass) and shows the shapes of what it never saw, rather than an empty list."""
+def test_a_model_dropped_before_the_sender_reads_its_check_still_has_its_parameters_named() -> None:
+    """A `main()` that returns right after its non-finite pass frees the model before the agent's sender thread
+    handles the check: the names are resolved at the pass, on the training thread, so its line still has them,
+    whether or not the resolver had named that model before."""
     logged = []
     for named_before in (True, False):
         with autograd_agent() as agent:
@@ -66,7 +66,7 @@ def test_a_model_dropped_before_the_sender_reads_its_check_still_has_its_paramet
             gc.collect()
             agent.drain()
             logged.append([(e["parameters"], e["names"]) for e in events(agent, "autograd.nonfinite_gradients")])
-    assert [[(2, "bias,weight")] * 2, [(2, "<unnamed (1,)>,<unnamed (1, 3)>")]] == logged
+    assert [[(2, "bias,weight")] * 2, [(2, "bias,weight")]] == logged
 
 
 def test_the_parameter_gauge_returns_to_zero_after_a_clean_pass() -> None:
@@ -356,4 +356,4 @@ def test_a_new_parameter_at_a_dead_parameters_id_is_tracked(monkeypatch: Any) ->
     check.launch(0, "backward")
     [result] = check.poll()
     assert (1, 1) == (result.checked, len(result.nonfinite))
-    assert result.nonfinite[0] is new
+    assert result.nonfinite[0]() is new

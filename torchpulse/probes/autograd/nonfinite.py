@@ -40,9 +40,7 @@ class CheckResult(NamedTuple):
     pass_index: int
     kind: str
     checked: int
-    # The parameters themselves, not weak references: the sender thread names them later, and a job that dropped
-    # its model in between (a failed trial) would leave nothing to name. None: one that died before the read.
-    nonfinite: tuple[torch.Tensor | None, ...]
+    nonfinite: tuple[ParamRef, ...]
     norm: float
 
 
@@ -254,7 +252,7 @@ def _wide_norm(grad: torch.Tensor) -> float:
 def _read(pending: _Pending) -> CheckResult:
     norms = pending.norms
     values: list[float] = norms if isinstance(norms, list) else norms.tolist()
-    nonfinite = tuple(ref() for ref, value in zip(pending.refs, values, strict=True) if not math.isfinite(value))
+    nonfinite = tuple(ref for ref, value in zip(pending.refs, values, strict=True) if not math.isfinite(value))
     # Squares are >= 0, so fsum sees no inf - inf: NaN stays NaN, Inf stays Inf.
     norm = math.sqrt(math.fsum(v * v for v in values))
     return CheckResult(pending.pass_index, pending.kind, len(values), nonfinite, norm)

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.optim import Optimizer
@@ -253,9 +253,20 @@ class AutogradProbe(Probe):
                 self._check.launch(plan.index, plan.kind)
             results = self._check.poll()
             if results:
-                self.agent.record(self._on_checked, merge(results))
+                merged = merge(results)
+                self.agent.record(self._on_checked, merged, [self._nonfinite_names(result) for result in merged])
         except Exception as exc:  # never into the job; the pass itself already finished
             self.fail(exc)
+
+    def _nonfinite_names(self, result: CheckResult) -> NonfiniteNames:
+        """The names of the first parameters a check found non-finite, and whether it found more; resolved here, on
+        the training thread, while the model surely lives: a `main()` that returns right after the bad pass frees
+        it before the sender thread would look (a resolver scan, tens of ms, only for a model not named before)."""
+        if not result.nonfinite:
+            return NonfiniteNames((), False)
+        params = [param for param in (ref() for ref in result.nonfinite) if param is not None]
+        shown = params[: self.config.max_names_logged]
+        return NonfiniteNames(tuple(self._names.names(shown)), len(params) > len(shown))
 
     # -- sender thread ------------------------------------------------------
     def _on_pass(self, kind: str, seconds: float) -> None:
@@ -283,9 +294,9 @@ class AutogradProbe(Probe):
                 grad_outputs=format_grad_outputs(execution.grad_outputs),
             )
 
-    def _on_checked(self, results: list[CheckResult]) -> None:
+    def _on_checked(self, results: list[CheckResult], names: list[NonfiniteNames]) -> None:
         store = self.agent.store
-        for result in results:
+        for result, named in zip(results, names, strict=True):
             if self.config.grad_norm:
                 store.set("grad_norm", (), result.norm)
             # Back to 0 after a clean pass: the alert reads a non-zero gauge as "still non-finite".
@@ -296,8 +307,6 @@ class AutogradProbe(Probe):
             budget = self._nonfinite_log
             if not budget.take(time.monotonic()):
                 continue
-            params = [param for param in result.nonfinite if param is not None]
-            shown = self._names.names(params[: self.config.max_names_logged])
             # How many non-finite passes went unlogged since the previous line (the counter has them all).
             skipped = {"passes_not_logged": budget.suppressed} if budget.suppressed else {}
             budget.suppressed = 0
@@ -308,10 +317,17 @@ class AutogradProbe(Probe):
                 kind=result.kind,
                 parameters=len(result.nonfinite),
                 checked=result.checked,
-                names=",".join(shown),
-                names_truncated=len(params) > len(shown),
+                names=",".join(named.names),
+                names_truncated=named.truncated,
                 **skipped,
             )
+
+
+class NonfiniteNames(NamedTuple):
+    """What a non-finite pass's log line names: a tuple, one made per checked pass."""
+
+    names: tuple[str, ...]
+    truncated: bool
 
 
 def _ignore(_param: torch.Tensor) -> None:
