@@ -136,6 +136,10 @@ def _start_flood(sock: Path, workers: int, connections: int, seconds: float) -> 
     return procs
 
 
+# The idle scrape of 64 runs x 8 ranks (~71k samples): the /metrics-at-scale goal, which today's render misses.
+IDLE_SCRAPE_P50_BUDGET = 0.015
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -146,7 +150,7 @@ def main() -> int:
     ranks: list[socket.socket] = []
     with bench_dir("torchpulse-ingest-") as workdir, running_daemon(workdir, config) as bench_daemon:
         try:
-            _measure(bench_daemon.proc.pid, bench_daemon.socket_path, bench_daemon.url, args, flood, ranks)
+            status = _measure(bench_daemon.proc.pid, bench_daemon.socket_path, bench_daemon.url, args, flood, ranks)
         finally:
             for p in flood:  # still sending when this ended early (Ctrl-C, an error)
                 if p.is_alive():
@@ -154,7 +158,7 @@ def main() -> int:
                 p.join()
             for s in ranks:
                 s.close()
-    return 0
+    return status
 
 
 def _measure(
@@ -164,7 +168,8 @@ def _measure(
     args: argparse.Namespace,
     flood: list[multiprocessing.Process],
     ranks: list[socket.socket],
-) -> None:
+) -> int:
+    """The figures, printed; 1 when one missed its budget."""
     print(
         f"daemon pid {pid}, {os.cpu_count()} cores; flood batch = "
         f"{_items(_flood_batch(1))} items, {len(encode(_flood_batch(1)))} bytes"
@@ -183,6 +188,7 @@ def _measure(
         before, "torchpulse_daemon_events_received_total"
     )
     per_cpu = received / max(cpu1 - cpu0, 1e-9)
+    missed: list[str] = []  # the budgets this run missed: the exit status says so to `make bench`
     print("\n1. ingest flood (1 sender process, 8 connections)")
     print(f"   events applied: {received:,.0f} in {t1 - t0:.1f} s wall, daemon CPU {cpu1 - cpu0:.1f} s")
     print(f"   events/s (wall): {received / (t1 - t0):,.0f}")
@@ -190,6 +196,8 @@ def _measure(
         f"   events per daemon CPU-second (one core): {per_cpu:,.0f}   budget >= 200,000  "
         f"{'ok' if per_cpu >= 200_000 else 'UNDER'}"
     )
+    if per_cpu < 200_000:
+        missed.append("ingest events per CPU-second")
 
     # 2. 64 runs x 8 ranks connected, then scrape.
     for r in range(64):
@@ -213,8 +221,10 @@ def _measure(
     print(f"\n2. /metrics with 64 runs x 8 ranks connected ({series:,} samples, {len(body) / 1e6:.1f} MB)")
     print(
         f"   idle:        p50 {p50 * 1e3:.1f} ms  p99 {percentile(latencies, 0.99) * 1e3:.1f} ms   "
-        f"budget p50 <= 50 ms  {'ok' if p50 <= 0.05 else 'OVER'}"
+        f"budget p50 <= {IDLE_SCRAPE_P50_BUDGET * 1e3:.0f} ms  {'ok' if p50 <= IDLE_SCRAPE_P50_BUDGET else 'OVER'}"
     )
+    if p50 > IDLE_SCRAPE_P50_BUDGET:
+        missed.append("idle /metrics p50")
     flood[:] = _start_flood(sock, 1, 8, args.seconds)
     time.sleep(0.5)
     loaded: list[float] = []
@@ -235,6 +245,9 @@ def _measure(
     else:
         print("   under flood: no scrape ended while the flood ran (raise --seconds)")
     print(f"   daemon RSS: {_rss_mib(pid):.0f} MiB")
+    if missed:
+        print(f"\nOVER budget: {', '.join(missed)}")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
