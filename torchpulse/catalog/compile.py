@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from torchpulse.catalog.family import COMPILE_BUCKETS, Family
+from torchpulse.catalog.family import COMPILE_BUCKETS, Family, Section
 
 # Recordings take from ~1 ms (a tiny graph) to seconds (a large model with warm-up syncs).
 RECORDING_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -22,6 +22,7 @@ FAMILIES: Final[tuple[Family, ...]] = (
         "counter",
         "Recompilations by function (first K per process, rest 'other') and classified first failed guard.",
         ("function", "reason"),
+        doc="The full guard-failure text is in the daemon's log.",
     ),
     Family(
         "graph_breaks_total",
@@ -49,6 +50,7 @@ FAMILIES: Final[tuple[Family, ...]] = (
         "counter",
         "Graphs compiled with CUDA graphs requested that run without them, by classified reason.",
         ("reason",),
+        doc='On a CPU, `mode="reduce-overhead"` shows up as `cpu_device`.',
     ),
     Family("cudagraph_recordings_total", "counter", "CUDA-graph recordings (first recordings and re-recordings)."),
     Family(
@@ -109,4 +111,24 @@ FAMILIES: Final[tuple[Family, ...]] = (
         "Optimizer `step` state tensors on the CPU for parameters on CUDA.",
         ("optimizer",),
     ),
+)
+
+SECTION: Final = Section(
+    "torch.compile and CUDA graphs",
+    FAMILIES,
+    """\
+K of the `function` and `location` labels is `TORCHPULSE_OPT_COMPILE_TOP_K`
+([configuration.md](configuration.md)). The compile probe reads torch's own log records through logger
+filters, so what the job prints (with or without `TORCH_LOGS`) stays byte-identical, also after the
+job's `logging.config.dictConfig` disabled torch's loggers (the probe still reads them, and they stay
+silent); every version-dependent fact lives in `torchpulse/probes/torch_compat/`.
+
+One change to how a job compiles remains, and only when it compiles `optimizer.step` itself
+(`torch.compile(opt.step)`): torch calls step hooks from the step's wrapper
+(`torch/optim/optimizer.py`), and the agent's hooks are `torch.compiler.disable`d, so Dynamo runs that
+wrapper eagerly. The optimizer's math inside it stays compiled (and CUDA-graphed with
+`mode="reduce-overhead"`); the job sees one more failed frame, `wrapper`, in
+`torchpulse_compile_frames_total{status="failed"}` and in torch's own counters, and
+`TORCH_LOGS=graph_breaks` reports the wrapper's break at the hook call instead of at torch's own break
+after the step. Without the hooks no step time or readiness could be read.""",
 )

@@ -18,11 +18,11 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from torchpulse.daemon.runs import RunsView
-from torchpulse.exporters.collectors import NamedCollector
+from torchpulse.exporters.collectors import NamedCollector, gauge
 from torchpulse.exporters.collectors.agents import AgentsCollector
 from torchpulse.exporters.collectors.daemon import DaemonCollector
 from torchpulse.exporters.collectors.series import AgentSeriesCollector
@@ -66,14 +66,7 @@ class Exposition:
 
     def render(self) -> bytes:
         chunks: list[bytes] = []
-        duration = GaugeMetricFamily(
-            "torchpulse_scrape_collector_duration_seconds",
-            "Time a collector took in this scrape.",
-            labels=["collector"],
-        )
-        success = GaugeMetricFamily(
-            "torchpulse_scrape_collector_success", "1 if the collector succeeded in this scrape.", labels=["collector"]
-        )
+        duration, success = gauge("scrape_collector_duration_seconds"), gauge("scrape_collector_success")
         for name, source in self._entries:
             start = time.perf_counter()
             try:

@@ -5,15 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from itertools import accumulate
 
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from torchpulse.daemon.checkpoints.stats import DURATION_BUCKETS, STATUSES, CheckpointStats
+from torchpulse.exporters.collectors import counter, gauge, histogram
 
 
 class CheckpointCollector:
@@ -25,51 +21,12 @@ class CheckpointCollector:
         self.state_persistent = state_persistent
 
     def collect(self) -> Iterator[Metric]:
-        validations = CounterMetricFamily(
-            "torchpulse_checkpoint_validations",
-            "Checkpoint validations finished, by outcome.",
-            labels=["root", "status"],
-        )
-        last_validation = GaugeMetricFamily(
-            "torchpulse_checkpoint_last_validation_timestamp_seconds",
-            "Unix time the last validation under the root finished.",
-            labels=["root"],
-        )
-        last_status = GaugeMetricFamily(
-            "torchpulse_checkpoint_last_status",
-            "1 for the status of the root's newest checkpoint, 0 for the others.",
-            labels=["root", "status"],
-        )
-        last_valid = GaugeMetricFamily(
-            "torchpulse_checkpoint_last_valid_timestamp_seconds",
-            "Commit time (metadata mtime) of the root's newest valid checkpoint.",
-            labels=["root"],
-        )
-        findings = GaugeMetricFamily(
-            "torchpulse_checkpoint_findings",
-            "Findings of the root's newest checkpoint, by rule and severity.",
-            labels=["root", "rule", "severity"],
-        )
-        size = GaugeMetricFamily(
-            "torchpulse_checkpoint_bytes", "Bytes on disk of the root's newest checkpoint.", labels=["root"]
-        )
-        incomplete = GaugeMetricFamily(
-            "torchpulse_checkpoint_incomplete",
-            "Saves under the root with data files but no metadata past the timeout.",
-            labels=["root"],
-        )
-        announced = GaugeMetricFamily(
-            "torchpulse_checkpoint_last_announced_timestamp_seconds",
-            "Unix time a job last announced a save under the root; only for roots "
-            "watched because of announcements, not configured ones.",
-            labels=["root"],
-        )
-        readable = GaugeMetricFamily(
-            "torchpulse_checkpoint_root_readable",
-            "1 when the daemon can list the root, 0 when it cannot (missing, not a directory, "
-            "permission denied): nothing under it is watched or validated then.",
-            labels=["root"],
-        )
+        validations = counter("checkpoint_validations_total")
+        last_validation = gauge("checkpoint_last_validation_timestamp_seconds")
+        last_status, last_valid = gauge("checkpoint_last_status"), gauge("checkpoint_last_valid_timestamp_seconds")
+        findings, size = gauge("checkpoint_findings"), gauge("checkpoint_bytes")
+        incomplete, announced = gauge("checkpoint_incomplete"), gauge("checkpoint_last_announced_timestamp_seconds")
+        readable = gauge("checkpoint_root_readable")
         for root, stats in sorted(self.stats.roots.items()):
             if stats.last_announced is not None:
                 announced.add_metric([root], stats.last_announced)
@@ -103,21 +60,12 @@ class CheckpointCollector:
         yield self._durations()
         persistent = self.state_persistent()
         if persistent is not None:
-            yield GaugeMetricFamily(
-                "torchpulse_daemon_state_persistent",
-                "1 when checkpoint validation state is written to the state directory, 0 when it "
-                "is kept in memory only and lost at a restart.",
-                value=1.0 if persistent else 0.0,
-            )
+            yield gauge("daemon_state_persistent", 1.0 if persistent else 0.0)
 
     def _durations(self) -> Metric:
-        family = HistogramMetricFamily(
-            "torchpulse_checkpoint_validation_duration_seconds",
-            "Wall time of one checkpoint validation (worker start to result).",
-            labels=["level"],
-        )
+        family = histogram("checkpoint_validation_duration_seconds")
         bounds = [floatToGoString(b) for b in DURATION_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
-        for level, histogram in sorted(self.stats.durations.items()):
-            cumulative = list(accumulate(histogram.counts))
-            family.add_metric([level], list(zip(bounds, map(float, cumulative), strict=True)), histogram.total)
+        for level, durations in sorted(self.stats.durations.items()):
+            cumulative = list(accumulate(durations.counts))
+            family.add_metric([level], list(zip(bounds, map(float, cumulative), strict=True)), durations.total)
         return family
