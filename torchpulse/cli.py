@@ -131,6 +131,12 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="first step to trace (default: the same near step on all ranks)",
     )
     actions.add_parser("cudagraph-dump", parents=[common], help="CUDA-graph tree state, read on the training thread")
+    stacks = actions.add_parser(
+        "stacks", parents=[common], help="each rank's training thread's Python stack, answered at once"
+    )
+    stacks.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+    # Answered by the agent's own thread, not at a step boundary: a rank silent for 5 s is not answering.
+    stacks.set_defaults(timeout=5.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,7 +225,9 @@ def _client_error(path: Path, exc: Exception, socket_arg: str | None = None) -> 
 
 
 def _ctl(args: argparse.Namespace) -> int:
-    from torchpulse.daemon.client import format_ctl, send_ctl
+    import msgspec
+
+    from torchpulse.daemon.client import format_ctl, format_stacks, send_ctl
     from torchpulse.paths import agent_socket_path
     from torchpulse.protocol import CtlRequest, FieldValue, utf8
 
@@ -248,7 +256,10 @@ def _ctl(args: argparse.Namespace) -> int:
     except _client_errors() as exc:
         print(_client_error(path, exc, args.socket), file=sys.stderr)
         return 1
-    print(format_ctl(reply))
+    if args.action == "stacks":
+        print(msgspec.json.encode(reply).decode() if args.json else format_stacks(reply))
+    else:
+        print(format_ctl(reply))
     return 0 if reply.results and all(r.status == "ok" for r in reply.results) else 1
 
 

@@ -20,6 +20,12 @@ MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 MAX_TRACE_STEPS: Final = 100
 """A torch.profiler trace holds every event of its steps in the job's memory until it stops."""
 
+MAX_STACK_FRAMES: Final = 64
+"""Frames of a stalled or asked-for training thread's stack: the innermost, where it waits, are the ones kept."""
+
+MAX_STACK_CHARS: Final = 4000
+"""Characters of such a stack, its innermost end, within MAX_FIELD_CHARS: one journal line per stall."""
+
 MAX_LOG_PASSES: Final = 100
 """Autograd logging hooks every node of a logged pass and emits one event per node."""
 

@@ -279,7 +279,8 @@ def overview() -> list[PanelBuilder]:
             "What torchpulse cannot see right now. A probe that raised disabled itself "
             "(TorchpulseProbeFailed): its metrics stop for that rank. Series refused by the per-run "
             "series limit (TorchpulseSeriesRejected) are missing from every panel. A connected rank "
-            "with no optimizer step in 10 minutes may hang (TrainingStalled). A checkpoint root the "
+            "with no optimizer step for longer than its stall threshold may hang (TorchpulseRankStalled; "
+            "`torchpulse ctl stacks` shows where it is). A checkpoint root the "
             "daemon cannot read has nothing under it validated (CheckpointRootUnreadable; the daemon "
             "log says why). A daemon whose state is in memory only validates everything again after a "
             "restart (TorchpulseStateNotPersistent).",
@@ -287,10 +288,8 @@ def overview() -> list[PanelBuilder]:
                 table_query(f"max by (run, rank, probe) (torchpulse_agent_probe_errors_total{{{SEL}}}) > 0"),
                 table_query(f"max by (instance, run) (torchpulse_run_series_rejected{{{RUN}}}) > 0"),
                 table_query(
-                    f"sum by (instance, run, rank) (increase(torchpulse_optimizer_steps_total{{{SEL}}}[10m])) == 0 "
-                    f"and on (instance, run, rank) max by (instance, run, rank) (torchpulse_agent_up{{{SEL}}}) == 1 "
-                    f"and on (instance, run, rank) max by (instance, run, rank) "
-                    f'(torchpulse_agent_probe_enabled{{{SEL}, probe="optimizer"}}) == 1'
+                    f"max by (instance, run, rank) (torchpulse_agent_stalled{{{SEL}}}) == 1 "
+                    f"and on (instance, run, rank) max by (instance, run, rank) (torchpulse_agent_up{{{SEL}}}) == 1"
                 ),
                 table_query("max by (instance, root) (torchpulse_checkpoint_root_readable) == 0"),
                 table_query("max by (instance) (torchpulse_daemon_state_persistent) == 0"),

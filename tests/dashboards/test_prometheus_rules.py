@@ -26,7 +26,7 @@ REQUIRED_ALERTS = {
     "TorchpulseEventsDropped",
     "TorchpulseRankClaimedTwice",
     "TorchpulseCollectorFailing",
-    "TrainingStalled",
+    "TorchpulseRankStalled",
     "TorchpulseDaemonDown",
     "TorchpulseProbeFailed",
     "TorchpulseSeriesRejected",

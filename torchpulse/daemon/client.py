@@ -117,6 +117,25 @@ def format_ctl(reply: CtlReply) -> str:
     return "\n".join(lines)
 
 
+def format_stacks(reply: CtlReply) -> str:
+    """`ctl stacks`: one block per rank, its training thread's stack under a line saying how long since its last
+    step; a rank that did not answer says why instead."""
+    if not reply.results:
+        return f"run {printable(reply.run)}: no such run, or no ranks connected"
+    blocks = []
+    for result in reply.results:
+        data = result.data
+        if result.status != "ok" or not isinstance(stack := data.get("stack"), str):
+            blocks.append(printable(f"rank {result.rank}: {result.status} {result.message}".rstrip()))
+            continue
+        since = data.get("seconds_since_step")
+        when = "no step yet" if not isinstance(since, int | float) else f"last step {since:.1f} s ago"
+        head = f"rank {result.rank}: step {data.get('step')}, {when}, thread {data.get('thread')}"
+        # The stack's own lines are kept as they are (printable() would fold their line breaks).
+        blocks.append(printable(head) + "\n" + "\n".join(printable(line) for line in stack.rstrip().splitlines()))
+    return "\n\n".join(blocks)
+
+
 def _summary(command: str, result: RankResult) -> tuple[str, dict[str, FieldValue]]:
     """The result's message and the data it does not already say.
 

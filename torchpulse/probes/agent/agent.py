@@ -21,6 +21,7 @@ from torchpulse.probes.agent.identity import Identity
 from torchpulse.probes.agent.logs import get_logger
 from torchpulse.probes.agent.probe import Probe, ProbeFactory
 from torchpulse.probes.agent.sender import Sender
+from torchpulse.probes.agent.stall import StallWatch
 from torchpulse.probes.agent.store import MetricStore
 from torchpulse.protocol import FieldValue, LogEvent
 
@@ -84,6 +85,7 @@ class Agent:
         # never train (torchrun's launcher, spawned workers) never connect.
         self.active = False
         self.control = Control(self)
+        self.stall = StallWatch(self, self.control.boundary)
         self._lock = threading.Lock()
 
     # -- hot path -----------------------------------------------------------
@@ -127,6 +129,8 @@ class Agent:
         self._drain(self._quiet)
         self._drain(self._buffer)
         self._sync_drop_counters()
+        if self.active:
+            self.stall.check()
 
     def _drain(self, buffer: deque[Record]) -> None:
         while True:

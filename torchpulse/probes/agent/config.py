@@ -60,6 +60,10 @@ class AgentConfig:
     backoff_max: float = 5.0
     optimizer_state_every: int = 100
     probe_errors: str = "disable"
+    # A rank is stalled after this long without an optimizer step (or 10x its recent p99 step interval, if
+    # longer): TORCHPULSE_STALL_SECONDS; before its first step after TORCHPULSE_FIRST_STEP_STALL_SECONDS.
+    stall_seconds: float = 60.0
+    first_step_stall_seconds: float = 1800.0
     options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,18 +75,27 @@ class AgentConfig:
             raise ValueError("need 0 < backoff_initial <= backoff_max")
         if self.optimizer_state_every < 1:
             raise ValueError("optimizer_state_every must be >= 1")
+        if not (self.stall_seconds > 0 and self.first_step_stall_seconds > 0):
+            raise ValueError("stall_seconds and first_step_stall_seconds must be > 0")
         if self.probe_errors not in PROBE_ERROR_MODES:
             raise ValueError(f"TORCHPULSE_PROBE_ERRORS: expected disable or fatal, got {self.probe_errors!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> AgentConfig:
-        """Build from TORCHPULSE_SOCKET, TORCHPULSE_PROBES, TORCHPULSE_FLUSH_INTERVAL, TORCHPULSE_PROBE_ERRORS."""
+        """Build from TORCHPULSE_SOCKET, TORCHPULSE_PROBES, TORCHPULSE_FLUSH_INTERVAL, TORCHPULSE_PROBE_ERRORS,
+        TORCHPULSE_STALL_SECONDS and TORCHPULSE_FIRST_STEP_STALL_SECONDS."""
         env = os.environ if env is None else env
         values: dict[str, object] = {"socket_path": agent_socket_path(env)}
         if env.get("TORCHPULSE_PROBES"):
             values["probes"] = probe_names(env["TORCHPULSE_PROBES"])
         if env.get("TORCHPULSE_FLUSH_INTERVAL"):
             values["flush_interval"] = _seconds(env["TORCHPULSE_FLUSH_INTERVAL"], "TORCHPULSE_FLUSH_INTERVAL")
+        for variable, key in (
+            ("TORCHPULSE_STALL_SECONDS", "stall_seconds"),
+            ("TORCHPULSE_FIRST_STEP_STALL_SECONDS", "first_step_stall_seconds"),
+        ):
+            if env.get(variable):
+                values[key] = _seconds(env[variable], variable)
         if env.get("TORCHPULSE_PROBE_ERRORS"):
             values["probe_errors"] = env["TORCHPULSE_PROBE_ERRORS"].strip()
         values["options"] = {

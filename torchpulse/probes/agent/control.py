@@ -1,7 +1,8 @@
 """Commands from the daemon, applied at safe points of the training thread.
 
 The sender thread receives a `Command`, checks its arguments, and either
-answers at once (`status` reads plain fields; bad arguments are refused) or
+answers at once (`status` reads plain fields, `stacks` the training thread's
+stack; bad arguments are refused) or
 queues it. The training thread runs queued commands at its next step boundary
 (`step_boundary`: after the job's main optimizer stepped), never in the middle
 of a step; a trace (`traces`) starts and stops at those boundaries too.
@@ -76,6 +77,8 @@ class Control:
         try:
             if command.name == "status":
                 self._answer(command, True, "ok", self.status())
+            elif command.name == "stacks":  # at once: a stuck rank never reaches its next step boundary
+                self._answer(command, True, "ok", self.stacks())
             elif command.name == "trace" or command.name in self._safe_handlers:
                 out_dir = check_arguments(command, self.agent.families.known)
                 with self._lock:
@@ -113,6 +116,17 @@ class Control:
         if autograd is not None and autograd.enabled:
             data.update(_autograd_status(autograd.status()))
         return data
+
+    def stacks(self) -> Data:
+        stall = self.agent.stall
+        since = stall.seconds_since_step()
+        return {
+            "step": self.step,
+            "seconds_since_step": None if since is None else round(since, 3),
+            "stall_threshold_seconds": round(stall.threshold(), 3),
+            "thread": stall.training_thread_name(),
+            "stack": stall.training_stack(),
+        }
 
     # -- training thread ------------------------------------------------------
     def safe_point(self) -> None:

@@ -12,6 +12,7 @@ replaced when it stops stepping while another one goes on.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -28,6 +29,8 @@ from torchpulse.probes.torch_compat.optim import global_optimizer_post_hooks
 log = get_logger("torchpulse.control")
 # Steps whose times give the recent step rate that `status` reports (the daemon plans a trace's start with it).
 STEP_RATE_WINDOW = 16
+# Step times kept: the last 100 intervals give the stall threshold its p99 (stall.py).
+STEP_TIMES_KEPT = 101
 StepHook = Callable[[torch.optim.Optimizer, object, object], None]
 
 
@@ -51,7 +54,9 @@ class StepBoundary:
         self._handle: RemovableHandle | None = None
         self._hook: StepHook | None = None
         self._pre_handle: RemovableHandle | None = None
-        self._step_times: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
+        # The thread that steps the main optimizer: whose stack a stall shows.
+        self.thread_id: int | None = None
 
     def install(self) -> None:
         if self._handle is None:
@@ -71,12 +76,16 @@ class StepBoundary:
         A rank stuck in a collective keeps its last steps' times: the time since its last step,
         beyond one usual interval, counts too, so its rate falls instead of reading as before.
         """
-        times = list(self._step_times)  # one C-level copy: the training thread appends meanwhile
+        times = self.recent_step_times()[-STEP_RATE_WINDOW:]
         if len(times) < 2 or times[-1] <= times[0]:
             return 0.0
         span = times[-1] - times[0]
         overdue = time.monotonic() - times[-1] - span / (len(times) - 1)
         return round((len(times) - 1) / (span + max(0.0, overdue)), 3)
+
+    def recent_step_times(self) -> list[float]:
+        """The monotonic times of the last steps, oldest first (any thread)."""
+        return list(self._step_times)  # one C-level copy: the training thread appends meanwhile
 
     def keep_last(self) -> None:
         """Re-register our hook at the end of the table; only when the table is not being iterated."""
@@ -100,6 +109,7 @@ class StepBoundary:
             self._stepped_since_first.clear()
             self.step += 1
             self._step_times.append(time.monotonic())
+            self.thread_id = threading.get_ident()
             if self._wanted() and self._last_hook():
                 self._on_boundary()
                 self.keep_last()
