@@ -36,8 +36,8 @@ docs: $(STAMP)
 	$(PY) -m torchpulse.docgen
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check torchpulse tests bench fuzz
-	$(VENV)/bin/ruff format --check torchpulse tests bench fuzz
+	$(VENV)/bin/ruff check torchpulse tests bench fuzz deploy dashboards
+	$(VENV)/bin/ruff format --check torchpulse tests bench fuzz deploy dashboards
 	$(VENV)/bin/mypy
 
 # None is a timed test: the overhead benchmarks print ratios measured side by side in one run, the others
