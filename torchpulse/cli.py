@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON")
 
     attach = sub.add_parser("attach", help="inject the agent into a running process (Python >= 3.14)")
-    attach.add_argument("pid", type=int)
+    attach.add_argument("pid", type=int, help="process id of the running Python process")
     attach.add_argument("--socket", type=str, help="daemon socket")
     attach.add_argument("--run-name", type=str, help="run label")
 
@@ -116,14 +116,16 @@ def _add_ctl(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     actions.add_parser("status", parents=[common], help="probes, sampling, buffer fill, last step")
     for name in ("enable", "disable"):
         action = actions.add_parser(name, parents=[common], help=f"{name} a probe at the next step")
-        action.add_argument("probe")
+        action.add_argument("probe", help="probe name")
     sample = actions.add_parser("sample", parents=[common], help="set a probe's sampling rate, e.g. autograd 0.1")
-    sample.add_argument("probe")
+    sample.add_argument("probe", help="probe name (`autograd`)")
     sample.add_argument("rate", type=_sample_rate(MIN_SAMPLE_RATE), help="0 (off), or from 1e-06 to 1")
     log = actions.add_parser("autograd-log", parents=[common], help="log every autograd node for N passes")
-    log.add_argument("passes", type=_bounded_int(1, MAX_LOG_PASSES))
+    log.add_argument("passes", type=_bounded_int(1, MAX_LOG_PASSES), help=f"passes to log, 1 to {MAX_LOG_PASSES}")
     trace = actions.add_parser("trace", parents=[common], help="capture a torch.profiler trace of N steps")
-    trace.add_argument("--steps", type=_bounded_int(1, MAX_TRACE_STEPS), required=True)
+    trace.add_argument(
+        "--steps", type=_bounded_int(1, MAX_TRACE_STEPS), required=True, help=f"steps to trace, 1 to {MAX_TRACE_STEPS}"
+    )
     trace.add_argument("--out", required=True, help="directory for the Chrome-trace JSON files")
     trace.add_argument(
         "--start-step",

@@ -121,14 +121,7 @@ OPTIONS: Final[Mapping[str, str]] = {
 }
 
 # Arguments the command line's parsers give no help text, keyed "command argument".
-ARGUMENTS: Final[Mapping[str, str]] = {
-    "attach pid": "process id of the running Python process",
-    "ctl enable probe": "probe name",
-    "ctl disable probe": "probe name",
-    "ctl sample probe": "probe name (`autograd`)",
-    "ctl autograd-log passes": "passes to log, 1 to {MAX_LOG_PASSES}",
-    "ctl trace --steps": "steps to trace, 1 to {MAX_TRACE_STEPS}",
-}
+ARGUMENTS: Final[Mapping[str, str]] = {}
 
 # Read by the test suite only (tests/conftest.py), not by the package.
 TEST_VARIABLES: Final[Mapping[str, str]] = {
