@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from tests.support import REPO
+import pytest
+import torch
+
+from tests.support import REPO, guards, local_agent
 
 pytest_plugins = ["pytester"]
 
@@ -69,6 +72,14 @@ def test_after():
 
 
 def _run(pytester: pytest.Pytester, body: str) -> pytest.RunResult:
+    # pytester takes away the modules first imported by the inner run when it ends; one of torch's registers
+    # an operator library, which fails when imported again. So what the inner tests import is imported here.
+    agent: Any = local_agent(("optimizer",))
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    agent.drain()
+    agent.shutdown()
     pytester.makepyfile(test_inner=PREAMBLE + body)
     return pytester.runpytest_inprocess("-p", "tests.support.guards", "-p", "no:cacheprovider", "-q")
 
@@ -88,8 +99,11 @@ def test_a_probe_that_raised_inside_a_hook_fails_the_test_unless_it_is_marked(py
     assert "test_marked" not in "\n".join(line for line in result.outlines if "ERROR" in line)
 
 
-def test_a_thread_left_running_fails_the_test_that_started_it_unless_it_is_marked(pytester: pytest.Pytester) -> None:
+def test_a_thread_left_running_fails_the_test_that_started_it_unless_it_is_marked(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A thread still alive THREAD_GRACE_SECONDS after its test fails that test; a joined one, a marked one don't."""
+    monkeypatch.setattr(guards, "THREAD_GRACE_SECONDS", 0.5)  # the inner run's guard is this module's
     result = _run(pytester, THREAD_LEFT_RUNNING)
     assert (4, 1) == (result.parseoutcomes().get("passed"), result.parseoutcomes().get("errors"))
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_unmarked*", "the test left threads running: left-running"])
