@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.checkpoints.conftest import SAVE_SCRIPT
 from tests.support import DaemonProcess, built_once, require_tool, start_daemon
+from tests.support.checkpoints import SAVE_SCRIPT
 from tests.support.guards import no_swallowed_probe_errors, no_thread_leaks
 
 __all__ = ["no_swallowed_probe_errors", "no_thread_leaks"]  # autouse: every test runs under both

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
-from tests.support import REPO, guards, local_agent
+from tests.support import REPO
 
 pytest_plugins = ["pytester"]
 
-# An inner test module, run in this process by pytester with the guards as a plugin; `tests` importable from it.
-PREAMBLE = f"""
+# The inner session, in a process of its own (pytester's in-process runs drop the modules they imported, and one
+# of torch's cannot be imported twice): the guards come from its conftest, as the suite's come from tests/'.
+GUARDED_CONFTEST = f"""
 import sys
 sys.path.insert(0, {str(REPO)!r})
+from tests.support import guards
+from tests.support.guards import no_swallowed_probe_errors, no_thread_leaks, pytest_configure
+guards.THREAD_GRACE_SECONDS = 0.5  # the thread test's leak is known to stay
+"""
+PREAMBLE = """
 import threading
 import pytest
 import torch
@@ -72,18 +75,12 @@ def test_after():
 
 
 def _run(pytester: pytest.Pytester, body: str) -> pytest.RunResult:
-    # pytester takes away the modules first imported by the inner run when it ends; one of torch's registers
-    # an operator library, which fails when imported again. So what the inner tests import is imported here.
-    agent: Any = local_agent(("optimizer",))
-    model = torch.nn.Linear(4, 3)
-    model(torch.ones(2, 4)).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-    agent.drain()
-    agent.shutdown()
+    pytester.makeconftest(GUARDED_CONFTEST)
     pytester.makepyfile(test_inner=PREAMBLE + body)
-    return pytester.runpytest_inprocess("-p", "tests.support.guards", "-p", "no:cacheprovider", "-q")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
 
 
+@pytest.mark.process
 def test_a_probe_that_raised_inside_a_hook_fails_the_test_unless_it_is_marked(pytester: pytest.Pytester) -> None:
     """The optimizer probe's hook raises: the job's steps all run, and the unmarked test fails at teardown."""
     result = _run(pytester, PROBE_RAISES_IN_A_HOOK)
@@ -99,11 +96,9 @@ def test_a_probe_that_raised_inside_a_hook_fails_the_test_unless_it_is_marked(py
     assert "test_marked" not in "\n".join(line for line in result.outlines if "ERROR" in line)
 
 
-def test_a_thread_left_running_fails_the_test_that_started_it_unless_it_is_marked(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.process
+def test_a_thread_left_running_fails_the_test_that_started_it_unless_it_is_marked(pytester: pytest.Pytester) -> None:
     """A thread still alive THREAD_GRACE_SECONDS after its test fails that test; a joined one, a marked one don't."""
-    monkeypatch.setattr(guards, "THREAD_GRACE_SECONDS", 0.5)  # the inner run's guard is this module's
     result = _run(pytester, THREAD_LEFT_RUNNING)
     assert (4, 1) == (result.parseoutcomes().get("passed"), result.parseoutcomes().get("errors"))
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_unmarked*", "the test left threads running: left-running"])

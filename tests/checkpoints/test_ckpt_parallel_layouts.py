@@ -234,7 +234,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("parallel_layouts")
-    from tests.checkpoints.conftest import run_ranks  # here: this file also runs as the ranks' script
+    from tests.support.checkpoints import run_ranks  # here: this file also runs as the ranks' script
 
     assert ([0] * 4, [0] * 3) == (run_ranks("w4", root, 4, timeout=180.0, script=SCRIPT),
                                   run_ranks("w3", root, 3, timeout=180.0, script=SCRIPT))  # fmt: skip

@@ -378,7 +378,7 @@ def test_cli_json_on_a_file_per_item_checkpoint(variants: Path, capsys: pytest.C
 @pytest.fixture(scope="module")
 def dist_variants(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dist_variants")
-    from tests.checkpoints.conftest import run_ranks  # here: this file also runs as the ranks' script
+    from tests.support.checkpoints import run_ranks  # here: this file also runs as the ranks' script
 
     assert [0, 0] == run_ranks("dist", root, 2, timeout=180.0, script=SCRIPT)
     return root

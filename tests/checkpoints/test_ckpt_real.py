@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from ckpt_corrupt import CORRUPTIONS, GAP, corrupt_copy, drop_chunk, settle, shift_chunk
-from conftest import SAVE_SCRIPT, run_ranks
 
+from tests.support.checkpoints import SAVE_SCRIPT, run_ranks
 from torchpulse.checkpoints.model import Level, Status, ValidationResult
 from torchpulse.checkpoints.validate import validate
 

@@ -40,7 +40,8 @@ def _session(path: Path, run: str, rank: int, goodbye: bool) -> None:
             sock.sendall(encode(Goodbye("exit")))
 
 
-def _series(daemon: DaemonProcess) -> int:
+def _exposed_samples(daemon: DaemonProcess) -> int:
+    """How many samples the daemon's /metrics shows now (its lines that are no comment)."""
     return sum(1 for line in daemon.scrape_text().splitlines() if line and not line.startswith("#"))
 
 
@@ -61,16 +62,16 @@ def test_a_thousand_short_runs_leave_no_series_descriptors_or_runs_behind(
     """1,000 runs of one short rank each (a third crash): after the grace period the exposition, the
     descriptors and `status` are what they were before any of them connected."""
     daemon = churn_daemon
-    series, descriptors = _series(daemon), daemon.settled_descriptors()
+    series, descriptors = _exposed_samples(daemon), daemon.settled_descriptors()
     for n in range(1000):
         _session(daemon.socket_path, f"job-{n}", n % 8, goodbye=n % 3 != 0)
     # With a 1 s grace period from the start, housekeeping (every second) forgot the first runs while the
     # later ones were still being made whenever that took more than a second (a loaded CI machine).
     wait_for(lambda: 1000 == len(request_status(daemon.socket_path).runs), timeout=20)
-    assert series + 2000 < _series(daemon)
+    assert series + 2000 < _exposed_samples(daemon)
     reload_config(daemon, tmp_path / "tp.toml", SHORT_GRACE)  # applied to the runs already held
     wait_for(lambda: not request_status(daemon.socket_path).runs, timeout=20)
-    assert series == _series(daemon)
+    assert series == _exposed_samples(daemon)
     # A descriptor may be open for a moment (a scrape's, the state store's): wait for it to settle.
     wait_for(lambda: daemon.descriptors() <= descriptors, timeout=10)
 

@@ -1,11 +1,14 @@
-"""Daemon configuration: defaults, file, flags, and errors that name the key."""
+"""Daemon configuration: defaults, file, flags, errors that name the key, and the listen address it reports."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,83 @@ def test_a_bad_checkpoints_section_names_the_file_like_the_other_sections(tmp_pa
     path = tmp_path / "bad.toml"
     expected = f"torchpulse: invalid configuration: {path}: checkpoints.roots: 'relative/dir' is not an absolute path"
     assert (2, [expected]) == _start_with(path, '[checkpoints]\nroots = ["relative/dir"]\n')
+
+
+# What each bad file gets in one line on stderr, after "torchpulse: invalid configuration: <file>: ".
+REFUSED = [
+    # int() reads Arabic-Indic digits: this was port 0, a random port Prometheus is never pointed at.
+    ('[daemon]\nlisten = "127.0.0.1:\u0660"\n', "daemon.listen: expected HOST:PORT, got '127.0.0.1:\u0660'"),
+    ('[daemon]\nlisten = "127.0.0.1:\u00b2"\n', "daemon.listen: expected HOST:PORT, got '127.0.0.1:\u00b2'"),
+    # Every interface to a Go exporter, loopback here before: refused as ambiguous.
+    (
+        '[daemon]\nlisten = ":0"\n',
+        "daemon.listen: ':0' names no host; write 127.0.0.1:0 (this machine only) or 0.0.0.0:0 (every interface)",
+    ),
+    (
+        '[daemon]\nstate_dir = ""\n',
+        "daemon.state_dir: expected a path, got an empty string (leave the key out for the default)",
+    ),
+    (
+        '[daemon]\nsocket = ""\n',
+        "daemon.socket: expected a path, got an empty string (leave the key out for the default)",
+    ),
+    ('listen = "0.0.0.0:0"\n[daemon]\n', "listen: unknown key outside any table (it belongs under [daemon])"),
+    ("retries = 3\n", "retries: unknown key outside any table (keys go under [daemon], [runs] or [checkpoints])"),
+]
+
+
+def _start(tmp: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=tmp,
+    )
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("config", "error"), REFUSED)
+def test_a_bad_value_refuses_the_start_with_one_line_naming_the_key(tmp_path: Path, config: str, error: str) -> None:
+    """Each mistake exits 2 with one line naming the file and the key, and binds nothing."""
+    path = tmp_path / "tp.toml"
+    path.write_text(config, encoding="utf-8")
+    proc = _start(tmp_path, "--config", str(path), "--socket", str(tmp_path / "a.sock"))
+    try:
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (2, [f"torchpulse: invalid configuration: {path}: {error}"], []) == (
+        proc.returncode,
+        out.decode().splitlines(),
+        sorted(p.name for p in tmp_path.iterdir() if p != path),
+    )
+
+
+@pytest.mark.process
+def test_the_ready_line_writes_an_ipv6_listener_as_a_url(tmp_path: Path) -> None:
+    """`metrics` in the `daemon ready` log line is a URL that reaches /metrics: an IPv6 address in brackets."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = _start(
+        tmp_path,
+        "--socket",
+        str(tmp_path / "a.sock"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--listen",
+        f"[::1]:{port}",
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        with urllib.request.urlopen(ready["metrics"], timeout=10) as response:
+            status = response.status
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    assert ("daemon ready", f"http://[::1]:{port}/metrics", 200) == (ready["event"], ready["metrics"], status)

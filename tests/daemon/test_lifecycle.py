@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import parse_exposition, reload_config, select, start_daemon, wait_for
+from tests.support import REPO, free_port, parse_exposition, reload_config, select, start_daemon, wait_for
 
 
 @pytest.mark.process
@@ -114,3 +118,42 @@ def test_a_reload_applies_the_log_level_and_keeps_command_line_flags(tmp_path: P
         assert daemon.scrape()
     finally:
         assert 0 == daemon.stop(signal.SIGTERM)
+
+
+@pytest.mark.process
+def test_a_reload_that_changes_listen_keeps_serving_on_the_running_address_and_says_so(tmp_path: Path) -> None:
+    """`listen` needs a restart: after SIGHUP the old port still serves, the new one is not bound, one warning."""
+    first, second = free_port(), free_port()
+    path = tmp_path / "tp.toml"
+    base = f'[daemon]\nsocket = "{tmp_path}/a.sock"\nstate_dir = "{tmp_path}/state"\n'
+    path.write_text(base + f'listen = "127.0.0.1:{first}"\n')
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torchpulse", "daemon", "--log-format", "json", "--config", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+
+    def events() -> list[dict[str, object]]:
+        return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+    def serves(port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5):
+                return True
+        except OSError:
+            return False
+
+    try:
+        wait_for(lambda: serves(first), timeout=30)
+        path.write_text(base + f'listen = "127.0.0.1:{second}"\n')
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(e["event"] == "config reloaded" for e in events()))
+        state = (serves(first), serves(second))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    warnings = [(e["event"], e["keys"]) for e in events() if e["level"] == "warning"]
+    assert ((True, False), [("these keys need a restart to take effect", ["listen"])]) == (state, warnings)

@@ -1,18 +1,24 @@
-"""The exposition: supervised collectors, text rendering of agent series, escaping."""
+"""The exposition: supervised collectors, text rendering of agent series, escaping (also through a real scrape)."""
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from msgspec.structs import replace
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from tests.support import parse_exposition, select
+from tests.support import parse_exposition, require_tool, select, start_daemon, wait_for
 from torchpulse.catalog import CATALOG
 from torchpulse.daemon.registry import Registry
 from torchpulse.exporters.prometheus import build_exposition
-from torchpulse.protocol import Batch, Hello, HistogramSample, Sample
+from torchpulse.protocol import Batch, Hello, HistogramSample, Sample, encode
 
 HELLO = Hello('we"ird\\run\n', 3, 0, 4, 1, "h", "2.13.0", "0.1.0", "cmd", 0.0)
 
@@ -172,3 +178,33 @@ def test_a_new_process_with_the_same_pid_and_host_starts_from_empty_series() -> 
     registry.disconnect(run, same, owned=True)  # the old process died: its connection closed
     _, restarted = registry.connect(replace(HELLO, started_at=HELLO.started_at + 60.0), None)
     assert ({("grad_nonfinite_parameters", ()): 3.0}, {}, 0) == (kept, dict(restarted.values), run.series)
+
+
+@pytest.mark.process
+def test_label_text_with_quotes_backslashes_and_control_characters_survives_a_real_scrape(tmp_path: Path) -> None:
+    """Run, host and command with `"`, `\\`, newline, CR, NUL and non-ASCII come back exactly; promtool is silent."""
+    weird = 'a"b\\c\nd\re\tf\x00g\u2028h\x7f\ufeff\u00e9\U0001f600'
+    command = (weird * 40)[:512]
+    daemon = start_daemon(tmp_path)
+    try:
+        with socket.socket(socket.AF_UNIX) as agent:
+            agent.settimeout(10)
+            agent.connect(str(daemon.socket_path))
+            agent.sendall(encode(Hello(weird, 0, 0, 1, os.getpid(), weird, "2.13.0", "0.1.0", command, time.time())))
+            agent.recv(4096)
+            agent.sendall(encode(Batch(1, time.time(), [Sample("optimizer_steps_total", (weird,), 3.0)], [], [])))
+            wait_for(lambda: bool(select(daemon.scrape(), "torchpulse_optimizer_steps_total")))
+            text = daemon.scrape_text()
+    finally:
+        daemon.stop()
+    promtool = subprocess.run(
+        [require_tool("promtool"), "check", "metrics"],
+        input=text.encode(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    samples = parse_exposition(text)
+    assert (0, b"", b"") == (promtool.returncode, promtool.stdout, promtool.stderr)
+    assert [3.0] == list(select(samples, "torchpulse_optimizer_steps_total", run=weird, optimizer=weird).values())
+    assert [1.0] == list(select(samples, "torchpulse_run_info", run=weird, host=weird, command=command).values())

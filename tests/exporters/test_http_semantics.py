@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gzip
 import socket
+from pathlib import Path
 
 import pytest
 
-from tests.support import DaemonProcess, parse_exposition, select
+from tests.support import DaemonProcess, parse_exposition, select, start_daemon
 
 READ_TIMEOUT = 30.0
 
@@ -87,3 +88,25 @@ def test_gzip_follows_accept_encoding_quality(daemon: DaemonProcess, accept: str
     assert (gzipped, "Accept-Encoding") == (headers.get("content-encoding") == "gzip", headers.get("vary"))
     text = (gzip.decompress(body) if gzipped else body).decode()
     assert [1.0] == list(select(parse_exposition(text), "torchpulse_build_info").values())
+
+
+@pytest.mark.process
+def test_a_refused_method_is_told_which_ones_are_served(tmp_path: Path) -> None:
+    """A 405 answer carries `Allow: GET, HEAD` (RFC 9110 15.5.6) on every path."""
+    daemon = start_daemon(tmp_path)
+    try:
+        answers = []
+        for request in (
+            b"POST /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            b"DELETE /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        ):
+            with socket.create_connection(("127.0.0.1", daemon.port), timeout=10) as conn:
+                conn.sendall(request)
+                reply = b""
+                while chunk := conn.recv(65536):
+                    reply += chunk
+            head = reply.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+            answers.append((head[0], [line for line in head if line.startswith("Allow:")]))
+    finally:
+        daemon.stop()
+    assert [("HTTP/1.1 405 Method Not Allowed", ["Allow: GET, HEAD"])] * 2 == answers

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.checkpoints.conftest import commit_copy
 from tests.support import DaemonProcess, child_of, select, start_daemon, wait_for
+from tests.support.checkpoints import commit_copy
 
 pytestmark = pytest.mark.slow
 

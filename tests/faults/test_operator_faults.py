@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.checkpoints.conftest import commit_copy, run_service
-from tests.daemon.checkpoints.test_service import FakeWorker, _tiny_checkpoint, _until
 from tests.support import REPO, DaemonProcess, free_port, select, start_daemon, wait_for
+from tests.support.checkpoints import FakeWorker, commit_copy, run_service, tiny_checkpoint, until
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
@@ -231,7 +230,7 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
     monkeypatch.setattr(checkpoint_runner, "validate", worker)
     dropped, kept = tmp_path / "dropped", tmp_path / "kept"
     for step in range(3):
-        _tiny_checkpoint(dropped / f"step-{step}")
+        tiny_checkpoint(dropped / f"step-{step}")
         worker.invalid.add(str(dropped / f"step-{step}"))
     kept.mkdir()
     config = CheckpointsConfig(
@@ -239,9 +238,9 @@ def test_a_root_removed_on_sighup_exports_nothing_from_validations_in_flight_or_
     )
 
     async def body(service: CheckpointService) -> None:
-        await _until(lambda: 1 == len(worker.calls))
+        await until(lambda: 1 == len(worker.calls))
         service.apply_config(CheckpointsConfig(roots=(RootConfig(str(kept), "inotify"),), debounce_seconds=0.0))
-        await _until(lambda: 0 == worker.running and not service.queue.pending)
+        await until(lambda: 0 == worker.running and not service.queue.pending)
         await asyncio.sleep(0.3)
         assert [str(dropped / "step-2")] == worker.calls  # the newest first, the others were queued
         assert [str(kept)] == list(service.stats.roots)  # neither the dropped root nor "other"

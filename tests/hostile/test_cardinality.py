@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.hostile.agents import RawAgent
-from tests.support import DaemonProcess, local_agent, select, start_daemon, wait_for
+from tests.support import DaemonProcess, local_agent, select, series, start_daemon, wait_for
 from torchpulse.probes.agent.store import OTHER
 from torchpulse.protocol import Sample
 
@@ -102,9 +102,7 @@ def test_agent_folds_unbounded_graph_break_locations_into_other() -> None:
             exec(compile(source, f"/generated/hostile_{i}.py", "exec"), namespace)
             torch.compile(namespace["f"], backend="eager")(torch.randn(2))
         agent.drain()
-        breaks = {
-            labels: value for (name, labels), value in agent.store._values.items() if name == "graph_breaks_total"
-        }
+        breaks = series(agent, "graph_breaks_total")
     finally:
         agent.shutdown()
         torch._dynamo.reset()

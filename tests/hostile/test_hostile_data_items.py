@@ -25,8 +25,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from tests.checkpoints.ckpt_corrupt import entry, load_md, save_md, settle
-from tests.checkpoints.conftest import SAVE_SCRIPT
 from tests.support import REPO
+from tests.support.checkpoints import SAVE_SCRIPT
 from torchpulse.checkpoints.data_reader import read_data
 from torchpulse.checkpoints.model import Checkpoint, DataReport, Level, Status, ValidationResult
 from torchpulse.checkpoints.reader import read_checkpoint

@@ -45,9 +45,9 @@ def batch(nan=False):
 
 def record(phase):
     agent.drain()
-    values = {f"{name}|{','.join(labels)}": value for (name, labels), value in agent.store._values.items()}
-    values.update({f"{name}|{','.join(labels)}": sum(h.counts)
-                   for (name, labels), h in agent.store._histograms.items()})
+    samples, histograms = agent.store.snapshot()
+    values = {f"{s.family}|{','.join(s.labels)}": s.value for s in samples}
+    values.update({f"{h.family}|{','.join(h.labels)}": sum(h.bucket_counts) for h in histograms})
     events = [[e.event, dict(e.fields)] for e in agent.take_events(1000)]
     facts[phase] = {"values": values, "events": events, "passes": agent.probes["autograd"]._schedule.passes}
 

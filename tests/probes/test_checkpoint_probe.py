@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import REPO, local_agent, run_inline_ranks, wait_for
+from tests.support import REPO, histogram_series, local_agent, run_inline_ranks, series, wait_for
 from torchpulse.probes.checkpoint import checkpoint_path
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -42,17 +43,31 @@ def _events(agent: Any) -> list[tuple[str, str, dict[str, object]]]:
 def _failures(agent: Any) -> dict[tuple[str, ...], float]:
     """Every checkpoint_save_failures_total series in the agent's store, by its (api, error) labels."""
     agent.drain()
-    return {
-        labels: value
-        for (name, labels), value in agent.store._values.items()
-        if name == "checkpoint_save_failures_total"
-    }
+    return series(agent, "checkpoint_save_failures_total")
 
 
 def _saves(agent: Any) -> int:
-    return sum(
-        sum(h.counts) for (name, _), h in agent.store._histograms.items() if name == "checkpoint_save_duration_seconds"
+    return sum(sum(h.bucket_counts) for h in histogram_series(agent, "checkpoint_save_duration_seconds").values())
+
+
+def _announced(agent: Any) -> list[str]:
+    agent.drain()
+    return [str(e.fields["path"]) for e in agent.take_events(100) if e.event == "checkpoint saved"]
+
+
+def _written(under: Path) -> list[str]:
+    """The directories under `under` that hold a `.metadata`, i.e. where DCP really wrote a checkpoint."""
+    return sorted(str(metadata.parent) for metadata in under.rglob(".metadata"))
+
+
+def _run(code: str, cwd: Path, *args: str) -> str:
+    """`python -c CODE ARGS` in a fresh interpreter (one that has not imported torch._dynamo yet); its stdout."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
+    assert 0 == out.returncode, out.stderr[-3000:]
+    return out.stdout.strip()
 
 
 @pytest.fixture
@@ -94,7 +109,7 @@ def test_save_is_timed_and_announced_with_its_return_value_unchanged(agent: Any,
     assert "Metadata" == type(result).__name__
     [announced] = _announcements(agent)
     assert (str(tmp_path / "ck"), "save", True) == (announced["path"], announced["api"], announced["validate"])
-    assert 1 == sum(agent.store._histograms[("checkpoint_save_duration_seconds", ("save",))].counts)
+    assert 1 == sum(histogram_series(agent, "checkpoint_save_duration_seconds")[("save",)].bucket_counts)
 
 
 def test_async_save_is_announced_once_when_its_upload_finishes(agent: Any, tmp_path: Path) -> None:
@@ -386,3 +401,115 @@ def test_a_save_without_a_process_group_is_validated_on_any_rank(
         assert [(str(tmp_path / "ck"), True)] == [(a["path"], a["validate"]) for a in _announcements(agent)]
     finally:
         agent.shutdown()
+
+
+def test_file_urls_are_announced_where_fsspec_wrote_them(
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsspec keeps `%20` as it is and reads `file://localhost/x` and `file://x` relative to the cwd: each announced
+    path is the directory that holds the checkpoint's `.metadata`."""
+    monkeypatch.chdir(tmp_path)
+    for url in (f"file://{tmp_path}/step%2010", "file://localhost/ck", "file://relative/ck"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=url, no_dist=True)
+    announced = _announced(agent)
+    assert [f"{tmp_path}/step%2010", f"{tmp_path}/localhost/ck", f"{tmp_path}/relative/ck"] == announced
+    assert _written(tmp_path) == sorted(announced)
+
+
+def test_a_dotdot_after_a_symlink_is_announced_where_the_kernel_wrote_and_a_symlinked_path_keeps_its_name(
+    agent: Any, tmp_path: Path
+) -> None:
+    """`link/../ck` leaves the link's target, not the link's directory; `link/ck` is announced as written."""
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "deep")
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "link" / ".." / "ck", no_dist=True)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "link" / "ck"), no_dist=True)
+    assert [str(tmp_path / "real" / "ck"), str(tmp_path / "link" / "ck")] == _announced(agent)
+    assert [str(tmp_path / "real" / "ck"), str(tmp_path / "real" / "deep" / "ck")] == _written(tmp_path)
+
+
+def test_an_empty_checkpoint_id_with_a_storage_writer_is_announced_as_the_writers_path(
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's FileSystemWriter ignores an empty checkpoint_id and writes to its own path: that path is announced,
+    not the job's cwd."""
+    monkeypatch.chdir(tmp_path)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id="", storage_writer=dcp.FileSystemWriter(tmp_path / "w"), no_dist=True)
+    assert ([str(tmp_path / "w")], [str(tmp_path / "w")]) == (_announced(agent), _written(tmp_path))
+
+
+def test_a_jobs_own_distributed_checkpoint_package_is_not_taken_for_torchs(
+    agent: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save called from the job's `distributed/checkpoint/` modules is timed and announced like any other."""
+    package = tmp_path / "tpjob" / "distributed" / "checkpoint"
+    package.mkdir(parents=True)
+    (package / "job.py").write_text(
+        "import torch, torch.distributed.checkpoint as dcp\n"
+        "def save(path):\n"
+        "    dcp.save({'w': torch.ones(2)}, checkpoint_id=path, no_dist=True)\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    try:
+        importlib.import_module("tpjob.distributed.checkpoint.job").save(tmp_path / "ck")
+    finally:
+        for name in [name for name in sys.modules if name.split(".")[0] == "tpjob"]:
+            del sys.modules[name]
+    assert [str(tmp_path / "ck")] == _announced(agent)
+    assert 1 == sum(histogram_series(agent, "checkpoint_save_duration_seconds")[("save",)].bucket_counts)
+
+
+FIRST_SAVE = """
+import sys, torch
+from tests.support import local_agent
+agent = local_agent(("checkpoint",))
+import torch.distributed.checkpoint as dcp
+before = "torch._dynamo" in sys.modules
+dcp.save({"w": torch.ones(2)}, checkpoint_id=sys.argv[1], no_dist=True)
+agent.drain()
+print(before, "torch._dynamo" in sys.modules, [e.event for e in agent.take_events(10)])
+agent.shutdown()
+"""
+
+
+@pytest.mark.process
+def test_a_save_does_not_import_dynamo_in_the_jobs_thread(tmp_path: Path) -> None:
+    """The probe's hooks never import torch._dynamo (0.7 s, which the first save's duration counted)."""
+    assert "False False ['checkpoint saved']" == _run(FIRST_SAVE, tmp_path, str(tmp_path / "ck"))
+
+
+DELETED_CWD = """
+import os, sys, torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_saver as saver
+raised = []
+real_save = saver.save
+def spy(*args, **kwargs):
+    try:
+        return real_save(*args, **kwargs)
+    except BaseException as exc:
+        raised.append(exc)
+        raise
+saver.save = dcp.save = spy
+from tests.support import local_agent, series
+agent = local_agent(("checkpoint",))
+os.mkdir("gone")
+os.chdir("gone")
+os.rmdir(os.path.join("..", "gone"))
+try:
+    dcp.save({"w": torch.ones(2)}, checkpoint_id="ck", no_dist=True)
+except BaseException as exc:
+    caught = exc
+agent.drain()
+failures = series(agent, "checkpoint_save_failures_total")
+paths = [e.fields["path"] for e in agent.take_events(10) if e.event == "checkpoint save failed"]
+print(caught is raised[0], agent.probes["checkpoint"].enabled, failures, paths)
+agent.shutdown()
+"""
+
+
+@pytest.mark.process
+def test_a_save_in_a_deleted_cwd_raises_torchs_own_exception_and_is_counted(tmp_path: Path) -> None:
+    """A relative save whose cwd was deleted (a stale NFS cwd alike) fails: the job gets torch's very exception,
+    the failure is counted under the relative path, and the probe stays on."""
+    assert "True True {('save', 'FileNotFoundError'): 1.0} ['ck']" == _run(DELETED_CWD, tmp_path)

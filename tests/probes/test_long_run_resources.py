@@ -56,10 +56,10 @@ def with_break(t):
 def snapshot():
     with open("/proc/self/status") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
-    store = agent.store
+    samples, histograms = agent.store.snapshot()
     connected = agent._sender.link.sock is not None  # the one descriptor that comes and goes with the daemon
     return {"rss_kb": rss, "fds": len(os.listdir("/proc/self/fd")) - connected, "threads": threading.active_count(),
-            "finalizers": len(weakref.finalize._registry), "series": len(store._values) + len(store._histograms),
+            "finalizers": len(weakref.finalize._registry), "series": len(samples) + len(histograms),
             "queued": agent.buffer_fill + len(agent._events)}
 
 steps = saves = 0

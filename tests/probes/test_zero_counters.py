@@ -15,14 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import REPO, local_agent
+from tests.support import REPO, local_agent, series
 from torchpulse.probes.agent.agent import DROP_REASONS
 from torchpulse.probes.autograd.probe import PASS_KINDS
 from torchpulse.probes.compile.reasons import CUDAGRAPH_SKIP_REASONS, RERECORD_REASONS
-
-
-def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:
-    return {labels: value for (name, labels), value in agent.store._values.items() if name == family}
 
 
 def _first_batch(agent: Any) -> dict[tuple[str, tuple[str, ...]], float]:
@@ -68,7 +64,7 @@ def test_a_training_job_exports_its_counters_at_zero_then_counts_exactly() -> No
             1.0,
             (4.0, 0.0),
         ) == (
-            _series(agent, "backward_passes_total"),
+            series(agent, "backward_passes_total"),
             agent.store.value("grad_nonfinite_passes_total"),
             (
                 agent.store.value("optimizer_steps_total", ("SGD#0",)),
@@ -167,7 +163,7 @@ from tests.support import local_agent
 agent = local_agent(("compile", "cudagraphs"))
 def series(prefix):
     agent.drain()
-    return sorted((n, l, v) for (n, l), v in agent.store._values.items() if n.startswith(prefix))
+    return sorted((s.family, s.labels, s.value) for s in agent.store.snapshot()[0] if s.family.startswith(prefix))
 print(series("compile_"), series("cudagraph_"))
 import torch._dynamo
 print(series("compile_"), series("cudagraph_"))

@@ -14,9 +14,13 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from torchpulse.protocol import HistogramSample
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -271,6 +275,31 @@ def local_agent(probes: tuple[str, ...] = (), **config: object) -> object:
         agent.probes[name] = probe
     agent.control.install()
     return agent
+
+
+def series(agent: Any, family: str, *leading: str) -> dict[tuple[str, ...], float]:
+    """Every series of counter or gauge `family` in `agent`'s store, by its label values, read from the store's
+    public snapshot; with `leading`, only those whose labels begin with these values (an optimizer's, say).
+
+    What the store holds now: call `agent.drain()` first for what the probes recorded since.
+    """
+    _require_kind(family, "counter", "gauge")
+    samples, _ = agent.store.snapshot()
+    return {s.labels: s.value for s in samples if s.family == family and s.labels[: len(leading)] == leading}
+
+
+def histogram_series(agent: Any, family: str) -> dict[tuple[str, ...], HistogramSample]:
+    """Every series of histogram `family` in `agent`'s store (bucket counts and sum), by its label values."""
+    _require_kind(family, "histogram")
+    _, found = agent.store.snapshot()
+    return {h.labels: h for h in found if h.family == family}
+
+
+def _require_kind(family: str, *kinds: str) -> None:
+    """Fail unless `family` is in the catalog and of one of `kinds`: a misspelt name would read as no series."""
+    from torchpulse.catalog import CATALOG
+
+    assert family in CATALOG and CATALOG[family].kind in kinds, f"{family} is no catalog family of kind {kinds}"
 
 
 # Debian packages of the external tools tests use; CI installs them (see .ci/run and the README).

@@ -10,9 +10,11 @@ marker, that the fault is what it is about.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -77,4 +79,17 @@ def _started_since(before: set[threading.Thread]) -> list[threading.Thread]:
 
 
 def _kept_by_a_library(thread: threading.Thread) -> bool:
-    return thread.name.startswith(LIBRARY_THREAD_PREFIXES) or type(thread).__name__ in LIBRARY_THREAD_TYPES
+    if thread.name.startswith(LIBRARY_THREAD_PREFIXES) or type(thread).__name__ in LIBRARY_THREAD_TYPES:
+        return True
+    # Inductor's compile pool: one ThreadPoolExecutor for the process, made by the first compile that wants it.
+    pool = _inductor_compile_pool()
+    owner = getattr(thread, "_args", (None,))[:1]
+    return pool is not None and bool(owner) and isinstance(owner[0], weakref.ref) and owner[0]() is pool
+
+
+def _inductor_compile_pool() -> object | None:
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if pool is None or not hasattr(pool, "cache_info") or pool.cache_info().currsize == 0:
+        return None  # never made: asking for it would make it
+    return pool()

@@ -5,24 +5,19 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pytest
 
-from tests.checkpoints.conftest import SAVE_SCRIPT, run_ranks
 from tests.support import DaemonProcess
+from tests.support.checkpoints import SAVE_SCRIPT, FakeWorker
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
-from torchpulse.daemon.checkpoints.config import CheckpointsConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.demo import crash_an_overwrite
-
-if TYPE_CHECKING:
-    from tests.daemon.checkpoints.test_service import FakeWorker
 
 __all__ = [
     "CLONE_NEWNS",
@@ -30,14 +25,12 @@ __all__ = [
     "MS_PRIVATE",
     "MS_REC",
     "NOBODY",
-    "SAVE_SCRIPT",
     "enter_user_namespace",
     "file_modes_bind",
     "hidden_proc",
     "idle",
+    "logged",
     "rewrite_a_shard",
-    "run_ranks",
-    "run_service",
     "save_single",
     "shut_out",
     "tried",
@@ -49,23 +42,6 @@ CAP_SYS_PTRACE = 19  # root sees every process whatever /proc's hidepid says, un
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-
-
-def run_service(
-    tmp_path: Path, config: CheckpointsConfig, body: Callable[[CheckpointService], Awaitable[None]]
-) -> None:
-    """Run `body` against a started CheckpointService (state in tmp_path/state), closed afterwards."""
-
-    async def main() -> None:
-        (tmp_path / "state").mkdir(exist_ok=True)
-        service = CheckpointService(config, tmp_path / "state")
-        await service.start()
-        try:
-            await body(service)
-        finally:
-            await service.close()
-
-    asyncio.run(main())
 
 
 async def idle(service: CheckpointService, timeout: float = 20.0) -> None:
@@ -161,14 +137,9 @@ def save_single(out: Path) -> None:
     )
 
 
-def commit_copy(source: Path, target: Path) -> None:
-    """Copy data files, then commit the way DCP does: write `.metadata.tmp`, rename it."""
-    target.mkdir(parents=True)
-    for item in source.iterdir():
-        if item.name != ".metadata":
-            shutil.copy2(item, target / item.name)
-    shutil.copyfile(source / ".metadata", target / ".metadata.tmp")
-    (target / ".metadata.tmp").rename(target / ".metadata")
+def logged(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    """The captured log entries (structlog's `capture_logs`) whose event starts with `prefix`."""
+    return [entry for entry in logs if str(entry["event"]).startswith(prefix)]
 
 
 def rewrite_a_shard(checkpoint: Path) -> Path:
@@ -182,8 +153,6 @@ def rewrite_a_shard(checkpoint: Path) -> Path:
 @pytest.fixture
 def worker(monkeypatch: pytest.MonkeyPatch) -> FakeWorker:
     """A fast stand-in for the validation worker process (test_service.py keeps its slower one)."""
-    from tests.daemon.checkpoints.test_service import FakeWorker  # a test module: imported late, it imports this one
-
     fake = FakeWorker(seconds=0.01)
     monkeypatch.setattr(checkpoint_runner, "validate", fake)
     return fake

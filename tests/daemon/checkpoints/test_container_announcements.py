@@ -1,5 +1,6 @@
 """A job in another mount namespace (a container) announces paths of its own view: the daemon validates a path only
-where it names the directory the job saved, never an unrelated one that its host has at that path."""
+where it names the directory the job saved, never an unrelated one that its host has at that path; and the directory
+it checks is the one it will validate, the announced path normalized as the service normalizes it."""
 
 from __future__ import annotations
 
@@ -317,3 +318,24 @@ def test_a_pod_that_mounts_its_checkpoint_volume_at_another_path_gets_it_validat
     reason = str(refused["reason"])
     assert reason.startswith("cannot be resolved: No such file or directory (if the job runs in a container")
     assert reason.endswith("(nor under any of the 1 configured roots)")
+
+
+def test_the_daemon_checks_the_directory_it_will_validate_not_the_one_a_symlink_and_dotdot_lead_to(
+    tmp_path: Path,
+) -> None:
+    """`mine/link/../../etc` resolves into the job's user's tree but the daemon validates `/etc`, normalized
+    lexically: the announcement is refused because /etc belongs to root."""
+    uid = os.getuid() if os.getuid() != 0 else 4242
+    climb = len(tmp_path.parts)  # `..`s from tmp_path/link up to /
+    target = tmp_path.joinpath(*["d"] * climb)
+    target.mkdir(parents=True)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "link").symlink_to(target)
+    if os.getuid() == 0:  # the job's user is another one: its tree is theirs
+        for directory in (tmp_path, tmp_path / "etc"):  # what the check looks at: the directory and its parent
+            os.chown(directory, uid, uid)
+        os.lchown(tmp_path / "link", uid, uid)
+    announced = str(tmp_path.joinpath("link", *[".."] * climb, "etc"))
+    assert (str(tmp_path / "etc"), "/etc") == (os.path.realpath(announced), os.path.normpath(announced))
+    refused = Refused(f"/etc belongs to uid 0, not to the job's user (uid {uid})")
+    assert refused == checked_announcement(announced, uid, None, ())

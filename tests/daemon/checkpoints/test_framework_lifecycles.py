@@ -20,7 +20,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from tests.daemon.checkpoints.conftest import commit_copy, idle, rewrite_a_shard, run_service
+from tests.daemon.checkpoints.conftest import idle, rewrite_a_shard
+from tests.support.checkpoints import commit_copy, run_service
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.protocol import CheckpointSaved

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.daemon.checkpoints.conftest import commit_copy
 from tests.support import DaemonProcess, select, start_daemon, wait_for
+from tests.support.checkpoints import commit_copy
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.scan import metadata_key
 from torchpulse.daemon.checkpoints.service import CheckpointService

@@ -6,12 +6,12 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.daemon.checkpoints.conftest import commit_copy, idle, rewrite_a_shard, run_service
+from tests.daemon.checkpoints.conftest import idle, rewrite_a_shard
+from tests.support.checkpoints import FakeWorker, commit_copy, run_service, tiny_checkpoint, until
 from torchpulse.checkpoints.model import Finding, Level, Severity, Status, ValidationResult
 from torchpulse.checkpoints.worker import Limits
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
@@ -20,49 +20,6 @@ from torchpulse.daemon.checkpoints.scan import metadata_key
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.exporters.collectors.checkpoints import CheckpointCollector
 from torchpulse.protocol import CheckpointSaved
-
-
-class FakeWorker:
-    """Stands in for the worker process: counts calls and the most that ran at once."""
-
-    def __init__(self, seconds: float = 0.05) -> None:
-        self.seconds = seconds
-        self.invalid: set[str] = set()  # paths reported invalid
-        self.calls: list[str] = []
-        self.running = self.most = 0
-
-    async def __call__(self, path: str, level: Level, limits: Limits) -> ValidationResult:
-        self.calls.append(path)
-        self.running += 1
-        self.most = max(self.most, self.running)
-        await asyncio.sleep(self.seconds)
-        self.running -= 1
-        status = Status.INVALID if path in self.invalid else Status.VALID
-        return ValidationResult(path, status, level, (), {"bytes": 10})
-
-    def called(self, times: int) -> bool:
-        return times == len(self.calls)
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met"
-        await asyncio.sleep(0.02)
-
-
-async def _heartbeat(gaps: list[float]) -> None:
-    """Until cancelled, append how long each 10 ms sleep of the loop really took: a blocked loop shows."""
-    while True:
-        before = time.monotonic()
-        await asyncio.sleep(0.01)
-        gaps.append(time.monotonic() - before)
-
-
-def _tiny_checkpoint(path: Path) -> None:
-    """A committed checkpoint as far as the watcher can tell (the fake worker reads nothing)."""
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"x")
 
 
 @pytest.fixture
@@ -86,7 +43,7 @@ def test_events_and_announcements_for_one_checkpoint_validate_it_once(
         service.announce("run", 0, saved)
         service.announce("run", 0, saved)
         await service.sweep()
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] >= 1)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] >= 1)
         await asyncio.sleep(0.5)
 
     run_service(tmp_path, config, body)
@@ -106,7 +63,7 @@ def test_validations_never_exceed_the_concurrency_limit(
     async def body(service: CheckpointService) -> None:
         for step in range(5):
             commit_copy(saved_checkpoint, root / f"step-{step}")
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 5)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 5)
 
     run_service(tmp_path, config, body)
     assert (5, 2) == (len(set(worker.calls)), worker.most)
@@ -122,13 +79,13 @@ def test_a_restart_skips_validated_checkpoints_and_finds_new_ones(
 
     async def first(service: CheckpointService) -> None:
         commit_copy(saved_checkpoint, root / "step-1")
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
 
     run_service(tmp_path, config, first)
     commit_copy(saved_checkpoint, root / "step-2")
 
     async def second(service: CheckpointService) -> None:
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
         await service.sweep()
         assert "valid" == service.stats.root(str(root)).last_status
 
@@ -144,10 +101,10 @@ def test_an_overwrite_in_place_is_validated_again(tmp_path: Path, saved_checkpoi
 
     async def body(service: CheckpointService) -> None:
         commit_copy(saved_checkpoint, root / "step-1")
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
         shutil.rmtree(root / "step-1")
         commit_copy(saved_checkpoint, root / "step-1")
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 2)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 2)
 
     run_service(tmp_path, config, body)
     assert 2 == len(worker.calls)
@@ -192,7 +149,7 @@ def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_qu
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))
         commit_copy(saved_checkpoint, ckpt)
-        await _until(lambda: stats.last_status == "valid")
+        await until(lambda: stats.last_status == "valid")
         for _ in range(3):  # a pristine checkpoint's key is stable
             await service.sweep()
             await idle(service)
@@ -204,7 +161,7 @@ def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_qu
         await idle(service)
         assert time.monotonic() - rewritten_at < config.incomplete_after_seconds, "too slow to see it pending"
         assert (1, "valid") == (len(worker.calls), stats.last_status)
-        await _until(lambda: stats.last_status == "invalid")  # by the sweeps every 0.5 s
+        await until(lambda: stats.last_status == "invalid")  # by the sweeps every 0.5 s
         for _ in range(3):
             await service.sweep()
             await idle(service)
@@ -212,7 +169,7 @@ def test_shards_rewritten_under_a_validated_metadata_are_validated_again_once_qu
         worker.invalid.clear()
         shutil.copyfile(saved_checkpoint / ".metadata", ckpt / ".metadata.tmp")
         (ckpt / ".metadata.tmp").rename(ckpt / ".metadata")  # the next save commits
-        await _until(lambda: stats.last_status == "valid")
+        await until(lambda: stats.last_status == "valid")
         assert ({"valid": 2, "invalid": 1}, 3) == ({k: n for k, n in stats.validations.items() if n}, len(worker.calls))
 
     run_service(tmp_path, config, body)
@@ -238,7 +195,7 @@ def test_a_deleted_root_is_logged_and_watched_again_when_it_returns(
         root.mkdir()
         await service.sweep()
         commit_copy(saved_checkpoint, root / "step-1")
-        await _until(lambda: len(worker.calls) == 1)
+        await until(lambda: len(worker.calls) == 1)
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
@@ -259,8 +216,8 @@ def test_announced_roots_past_the_cap_fold_into_other(
         service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
         service.announce("b", 0, CheckpointSaved(str(second), "save", 1.0, True))
         service.announce("b", 1, CheckpointSaved(str(second), "save", 1.0, False))
-        await _until(lambda: len(worker.calls) == 2)
-        await _until(lambda: service.stats.root("other").validations["valid"] == 1)
+        await until(lambda: len(worker.calls) == 2)
+        await until(lambda: service.stats.root("other").validations["valid"] == 1)
 
     run_service(tmp_path, config, body)
     assert sorted([str(first), str(second)]) == sorted(worker.calls)
@@ -290,7 +247,7 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
         await service.start()
         try:
             service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
-            await _until(lambda: service.stats.root(str(first.parent)).validations["valid"] == 1)
+            await until(lambda: service.stats.root(str(first.parent)).validations["valid"] == 1)
             assert clock.now == service.stats.roots[str(first.parent)].last_announced
             clock.now += 90.0  # a later save of job A keeps its root alive
             service.announce("a", 0, CheckpointSaved(str(first), "save", 1.0, True))
@@ -303,7 +260,7 @@ def test_an_announced_root_expires_after_the_ttl_and_frees_its_slot(
             assert [] == service.roots()
             assert str(first.parent) not in service.stats.roots
             service.announce("b", 0, CheckpointSaved(str(second), "save", 1.0, True))
-            await _until(
+            await until(
                 lambda: (
                     str(second.parent) in service.stats.roots
                     and service.stats.roots[str(second.parent)].validations["valid"] == 1
@@ -337,7 +294,7 @@ def test_a_root_removed_from_the_config_exports_nothing_after_a_restart(
     config = CheckpointsConfig(roots=(RootConfig(str(root)),), debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        await _until(lambda: service.stats.root(str(root)).last_status == "valid")
+        await until(lambda: service.stats.root(str(root)).last_status == "valid")
         # A configured root is watched whatever jobs do: an announcement under it exports no time.
         service.announce("a", 0, CheckpointSaved(str(root / "step-1"), "save", 1.0, True))
         assert service.stats.root(str(root)).last_announced is None
@@ -386,7 +343,7 @@ def test_records_of_deleted_checkpoints_are_forgotten_but_the_newest_stay(
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
-        await _until(lambda: sum(service.stats.root(str(root)).validations.values()) == 4)
+        await until(lambda: sum(service.stats.root(str(root)).validations.values()) == 4)
         for step in (steps[0], steps[2], steps[3]):
             shutil.rmtree(step)
         await service.prune()
@@ -428,7 +385,7 @@ def test_the_findings_metric_counts_the_findings_a_capped_result_did_not_list(
 
     async def body(service: CheckpointService) -> None:
         commit_copy(saved_checkpoint, root / "step-1")
-        await _until(lambda: service.stats.root(str(root)).last_status == "invalid")
+        await until(lambda: service.stats.root(str(root)).last_status == "invalid")
         collected = CheckpointCollector(service.stats).collect()
         family = next(m for m in collected if m.name == "torchpulse_checkpoint_findings")
         assert [({"root": str(root), "rule": "TP-CKPT-009", "severity": "error"}, 150_000.0)] == [
@@ -472,13 +429,13 @@ def test_saves_faster_than_validations_validate_the_newest_checkpoint_next(
     async def body(service: CheckpointService) -> None:
         await asyncio.sleep(0.2)  # the first sweep's scan is over
         for step in steps:
-            _tiny_checkpoint(step)
+            tiny_checkpoint(step)
             service.announce("run", 0, CheckpointSaved(str(step), "save", 1.0, True))
             if step == steps[0]:
-                await _until(lambda: [str(steps[0])] == worker.calls)
+                await until(lambda: [str(steps[0])] == worker.calls)
             await asyncio.sleep(0.05)
         worker.gate.set()
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 4)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 4)
         assert "valid" == service.stats.root(str(root)).last_status
 
     run_service(tmp_path, config, body)
@@ -490,7 +447,7 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
 ) -> None:
     """With two validation slots, the re-validation of a checkpoint rewritten under the first one is not lost."""
     step = tmp_path / "root" / "step-1"
-    _tiny_checkpoint(step)
+    tiny_checkpoint(step)
 
     class OverwritingWorker(FakeWorker):
         async def __call__(self, path: str, level: Level, limits: Limits) -> ValidationResult:
@@ -509,7 +466,7 @@ def test_a_checkpoint_overwritten_while_validated_is_validated_again_with_slots_
     )
 
     async def body(service: CheckpointService) -> None:
-        await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
         await asyncio.sleep(0.3)
 
     run_service(tmp_path, config, body)
@@ -534,7 +491,7 @@ def test_deleting_the_latest_checkpoint_makes_the_newest_one_left_the_latest(
 
     async def body(service: CheckpointService) -> None:
         stats = service.stats.root(str(root))
-        await _until(lambda: sum(stats.validations.values()) == 3)
+        await until(lambda: sum(stats.validations.values()) == 3)
         seen.append((stats.last_status, stats.latest_path))
         shutil.rmtree(steps[2])
         await service.sweep()

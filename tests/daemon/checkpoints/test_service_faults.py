@@ -18,8 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 from watchdog.observers import inotify_c
 
-from tests.daemon.checkpoints.conftest import run_service
-from tests.daemon.checkpoints.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
+from tests.daemon.checkpoints.conftest import logged
+from tests.support.checkpoints import FakeWorker, heartbeat, run_service, tiny_checkpoint, until
 from torchpulse.daemon.checkpoints import roots as checkpoint_roots
 from torchpulse.daemon.checkpoints import sweeps as checkpoint_sweeps
 from torchpulse.daemon.checkpoints import watcher
@@ -34,10 +34,6 @@ from torchpulse.protocol import CheckpointSaved
 
 # Deeper than watchdog's recursive walks go (the recursion limit, in a fresh thread).
 TOO_DEEP = 1000
-
-
-def _events(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
-    return [entry for entry in logs if str(entry["event"]).startswith(prefix)]
 
 
 def _saved(path: str) -> CheckpointSaved:
@@ -91,7 +87,7 @@ def test_an_unusable_announced_path_is_refused_once_and_never_stored(
 ) -> None:
     """A NUL byte, a lone surrogate, a relative path, `/`: logged once, no exception, no root, sweeps work."""
     good = tmp_path / "job" / "step-1"
-    _tiny_checkpoint(good)
+    tiny_checkpoint(good)
     config = CheckpointsConfig(debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
@@ -99,13 +95,13 @@ def test_an_unusable_announced_path_is_refused_once_and_never_stored(
         service.announce("bad", 0, _saved(bad))
         service.announce("good", 0, _saved(str(good)))
         await service.sweep()
-        await _until(lambda: len(worker.calls) == 1)
+        await until(lambda: len(worker.calls) == 1)
         assert [str(good.parent)] == service.roots()
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
-    assert [repr(bad)] == [entry["path"] for entry in _events(logs, "announced checkpoint path refused")]
-    assert [] == _events(logs, "checkpoint sweep failed")
+    assert [repr(bad)] == [entry["path"] for entry in logged(logs, "announced checkpoint path refused")]
+    assert [] == logged(logs, "checkpoint sweep failed")
     store = StateStore(tmp_path / "state")
     assert [str(good.parent)] == list(store.announced_roots())
     store.close()
@@ -124,8 +120,8 @@ def test_saves_to_a_url_are_skipped_with_one_line_per_run_not_one_warning_per_sa
 
     with capture_logs() as logs:
         run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
-    assert [] == _events(logs, "announced checkpoint path refused")
-    assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoints saved to a URL")]
+    assert [] == logged(logs, "announced checkpoint path refused")
+    assert ["run"] == [entry["run"] for entry in logged(logs, "checkpoints saved to a URL")]
     assert [] == worker.calls
 
 
@@ -141,7 +137,7 @@ def test_an_exception_in_announce_never_reaches_the_agent_server(
 
     with capture_logs() as logs:
         run_service(tmp_path, CheckpointsConfig(), body)
-    assert ["run"] == [entry["run"] for entry in _events(logs, "checkpoint announcement failed")]
+    assert ["run"] == [entry["run"] for entry in logged(logs, "checkpoint announcement failed")]
 
 
 def test_unusable_announced_roots_stored_by_older_versions_are_forgotten_at_start(
@@ -215,13 +211,13 @@ def test_a_tree_too_deep_to_walk_is_a_watch_error_retried_at_sweeps(tmp_path: Pa
     async def body(service: CheckpointService) -> None:
         assert service.watcher is not None
         # The polling emitter walks in its own thread: the watch is lost once that walk fails.
-        await _until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
+        await until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
         await service.sweep()
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
 
     logs = _run_removing_deep_trees(tmp_path, root, config, body)
-    errors = [entry["error"] for entry in _events(logs, "cannot watch checkpoint root")]
+    errors = [entry["error"] for entry in logged(logs, "cannot watch checkpoint root")]
     assert 1 == len(errors) and "RecursionError" in errors[0]
 
 
@@ -241,14 +237,14 @@ def test_a_tree_grown_too_deep_while_polled_is_watched_again_once_it_is_gone(
         (root / "deep").mkdir()
         _deep_tree(root / "deep")
         # Walking 1000 levels takes seconds on a loaded machine (the whole suite on 2 cores).
-        await _until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
+        await until(lambda: service.watcher is not None and {} == service.watcher.watched(), timeout=60)
         (root / "deep").rename(tmp_path / "deep")
         await _swept_until_watched(service, str(root))
-        _tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
-        await _until(lambda: len(worker.calls) == 1, timeout=60)
+        tiny_checkpoint(root / "step-1")  # found by the polling watch, no sweep needed
+        await until(lambda: len(worker.calls) == 1, timeout=60)
 
     logs = _run_removing_deep_trees(tmp_path, root, config, body)
-    assert ["backend_error"] == [entry["reason"] for entry in _events(logs, "checkpoint root watch lost")]
+    assert ["backend_error"] == [entry["reason"] for entry in logged(logs, "checkpoint root watch lost")]
 
 
 def test_a_root_whose_emitter_thread_died_is_not_reported_watched(tmp_path: Path) -> None:
@@ -275,20 +271,20 @@ def test_a_checkpoint_directly_under_the_filesystem_root_never_makes_it_a_root(
     """`/ckpt` is validated (attempted: it does not exist here) without watching `/`; other jobs keep their roots."""
     top = "/torchpulse-test-no-such-checkpoint"
     job = tmp_path / "jobB" / "step-1"
-    _tiny_checkpoint(job)
+    tiny_checkpoint(job)
 
     async def body(service: CheckpointService) -> None:
         service.announce("a", 0, _saved(top))
         service.announce("b", 0, _saved(str(job)))
-        await _until(lambda: service.stats.root(str(job.parent)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(job.parent)).validations["valid"] == 1)
         # Newest first: `top`'s attempt may come after the job's validation on a loaded machine.
-        await _until(lambda: bool(_events(logs, "checkpoint vanished before validation")))
+        await until(lambda: bool(logged(logs, "checkpoint vanished before validation")))
         assert [str(job.parent)] == service.roots()
 
     with capture_logs() as logs:
         run_service(tmp_path, CheckpointsConfig(debounce_seconds=0.0), body)
-    assert [top] == [entry["path"] for entry in _events(logs, "checkpoint vanished before validation")]
-    assert [top] == [entry["path"] for entry in _events(logs, "checkpoint saved directly under /")]
+    assert [top] == [entry["path"] for entry in logged(logs, "checkpoint vanished before validation")]
+    assert [top] == [entry["path"] for entry in logged(logs, "checkpoint saved directly under /")]
 
 
 # -- 4: a hung mount blocks neither the loop nor the other roots ------------------------------------------
@@ -327,18 +323,18 @@ def test_a_hung_root_blocks_neither_the_loop_nor_the_other_roots(
     async def main() -> None:
         (tmp_path / "state").mkdir()
         service = CheckpointService(config, tmp_path / "state")
-        beat = asyncio.create_task(_heartbeat(gaps))
+        beat = asyncio.create_task(heartbeat(gaps))
         try:
             await asyncio.wait_for(service.start(), 5)
             assert service.watcher is not None
             assert {str(good): "polling"} == service.watcher.watched()
             service.apply_config(CheckpointsConfig(roots=config.roots, poll_interval_seconds=0.2, debounce_seconds=0.0))
-            _tiny_checkpoint(tmp_path / "job" / "step-1")
+            tiny_checkpoint(tmp_path / "job" / "step-1")
             service.announce("run", 0, _saved(str(tmp_path / "job" / "step-1")))
-            _tiny_checkpoint(good / "step-1")
+            tiny_checkpoint(good / "step-1")
             for _ in range(3):
                 await asyncio.wait_for(service.sweep(), 5)
-            await _until(lambda: len(worker.calls) == 2)
+            await until(lambda: len(worker.calls) == 2)
             assert {str(good): "polling", str(tmp_path / "job"): "inotify"} == service.watcher.watched()
             started = time.monotonic()
             await service.sweep()  # the hung root's operations are old now: not waited for again
@@ -358,13 +354,13 @@ def test_a_state_store_that_cannot_be_written_does_not_revalidate_at_every_sweep
 ) -> None:
     root = tmp_path / "root"
     for step in range(3):
-        _tiny_checkpoint(root / f"step-{step}")
+        tiny_checkpoint(root / f"step-{step}")
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
 
     async def body(service: CheckpointService) -> None:
         assert service.store is not None
         service.store._db.execute("PRAGMA query_only=ON")  # a full or read-only state filesystem
-        await _until(lambda: len(worker.calls) == 3)
+        await until(lambda: len(worker.calls) == 3)
         for _ in range(3):
             await service.sweep()
         await asyncio.sleep(0.1)
@@ -413,13 +409,13 @@ def test_inotify_out_of_watches_at_the_first_watch_falls_back_to_polling(
     async def body(service: CheckpointService) -> None:
         assert service.watcher is not None
         assert {str(root): "polling"} == service.watcher.watched()
-        _tiny_checkpoint(root / "step-1")
-        await _until(lambda: len(worker.calls) == 1)
+        tiny_checkpoint(root / "step-1")
+        await until(lambda: len(worker.calls) == 1)
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
-    assert [] == _events(logs, "cannot watch checkpoint root")
-    assert [str(root)] == [entry["root"] for entry in _events(logs, "inotify cannot watch")]
+    assert [] == logged(logs, "cannot watch checkpoint root")
+    assert [str(root)] == [entry["root"] for entry in logged(logs, "inotify cannot watch")]
 
 
 class WatchBudget:
@@ -448,7 +444,7 @@ def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
     root = tmp_path / "root"
     root.mkdir()
     for step in range(existing):
-        _tiny_checkpoint(root / f"old-{step}")
+        tiny_checkpoint(root / f"old-{step}")
     budget = WatchBudget(left=2)  # the root and one directory
     monkeypatch.setattr(inotify_c, "inotify_add_watch", budget)
     # The sweeps run every 60 s: whatever is validated below was found by a watch (or the catch-up after a loss).
@@ -456,17 +452,17 @@ def test_running_out_of_inotify_watches_below_the_root_falls_back_to_polling(
 
     async def body(service: CheckpointService) -> None:
         assert service.watcher is not None
-        await _until(lambda: len(worker.calls) == existing)
+        await until(lambda: len(worker.calls) == existing)
         await asyncio.sleep(0.2)  # the first sweep's scan is over
         for step in range(3):
-            _tiny_checkpoint(root / f"step-{step}")
-            await _until(functools.partial(worker.called, existing + step + 1))
+            tiny_checkpoint(root / f"step-{step}")
+            await until(functools.partial(worker.called, existing + step + 1))
         assert {str(root): "polling"} == service.watcher.watched()
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
     assert [] != budget.refused
-    assert ["inotify watch limit reached"] == [entry["error"] for entry in _events(logs, "inotify cannot watch")]
+    assert ["inotify watch limit reached"] == [entry["error"] for entry in logged(logs, "inotify cannot watch")]
 
 
 # -- 7: a symlinked root into a network mount ---------------------------------------------------------------
@@ -508,13 +504,13 @@ def test_a_symlinked_root_watched_with_inotify_sees_new_checkpoints_and_follows_
         await asyncio.sleep(0.2)  # the first sweep's scan is over
         # Each wait is for the result, not the call: the fake worker is called before it answers, and a loaded
         # machine can put the answer after the next poll (and a relink before it: step-1 is then gone).
-        _tiny_checkpoint(link / "step-1")
-        await _until(lambda: service.stats.root(str(link)).validations["valid"] == 1)
+        tiny_checkpoint(link / "step-1")
+        await until(lambda: service.stats.root(str(link)).validations["valid"] == 1)
         link.unlink()
         link.symlink_to(second)
         await service.sweep()
-        _tiny_checkpoint(link / "step-2")
-        await _until(lambda: service.stats.root(str(link)).validations["valid"] == 2)
+        tiny_checkpoint(link / "step-2")
+        await until(lambda: service.stats.root(str(link)).validations["valid"] == 2)
 
     run_service(tmp_path, config, body)
     assert [str(link / "step-1"), str(link / "step-2")] == worker.calls
@@ -541,7 +537,7 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
     )
 
     async def body(service: CheckpointService) -> None:
-        await _until(lambda: len(worker.calls) == 2)
+        await until(lambda: len(worker.calls) == 2)
         for _ in range(3):
             await service.sweep()
             await asyncio.sleep(0.05)
@@ -550,7 +546,7 @@ def test_dangling_shard_symlinks_and_shard_named_directories_do_not_revalidate_e
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
     assert sorted([str(with_dir), str(with_link)]) == sorted(worker.calls)
-    assert [] == _events(logs, "checkpoint vanished")
+    assert [] == logged(logs, "checkpoint vanished")
 
 
 def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
@@ -572,14 +568,14 @@ def test_a_watchdog_with_other_inotify_internals_still_watches_with_one_warning(
     async def body(service: CheckpointService) -> None:
         assert service.watcher is not None
         await asyncio.sleep(0.2)  # the first sweep's scan is over; the next is 60 s away
-        _tiny_checkpoint(root / "step-0")
-        await _until(functools.partial(worker.called, 1))
+        tiny_checkpoint(root / "step-0")
+        await until(functools.partial(worker.called, 1))
         assert {str(root): "inotify"} == service.watcher.watched()
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
     assert 1 == len(
-        _events(
+        logged(
             logs,
             "this watchdog's inotify internals differ: running out of inotify watches below "
             "a root is noticed only by the periodic sweep",

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.daemon.checkpoints.conftest import run_service
-from tests.daemon.checkpoints.test_service import FakeWorker, _heartbeat, _tiny_checkpoint, _until
+from tests.support.checkpoints import FakeWorker, heartbeat, run_service, tiny_checkpoint, until
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.root_set import RootSet
 from torchpulse.daemon.checkpoints.service import CheckpointService
@@ -29,11 +28,11 @@ def test_a_state_file_damaged_past_its_schema_is_set_aside_and_a_new_one_kept(
     """The first query past page 1 failed the start; now the file is moved aside, the checkpoint validated once
     more and remembered in a new file."""
     root = tmp_path / "root"
-    _tiny_checkpoint(root / "step-1")
+    tiny_checkpoint(root / "step-1")
     config = CheckpointsConfig(roots=(RootConfig(str(root), "inotify"),), debounce_seconds=0.0)
 
     async def validated(service: CheckpointService) -> None:
-        await _until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
+        await until(lambda: service.stats.root(str(root)).validations["valid"] == 1)
 
     run_service(tmp_path, config, validated)
     state = tmp_path / "state" / DB_NAME
@@ -86,14 +85,14 @@ def test_a_state_file_locked_by_another_writer_never_stalls_the_loop_for_long(
     """Each write waited 5 s for the lock on the event loop (metrics, agents, everything); now briefly, then it
     is logged and the result kept in memory."""
     step = tmp_path / "job" / "step-1"
-    _tiny_checkpoint(step)
+    tiny_checkpoint(step)
     gaps: list[float] = []
 
     async def body(service: CheckpointService) -> None:
-        beat = asyncio.create_task(_heartbeat(gaps))
+        beat = asyncio.create_task(heartbeat(gaps))
         try:
             service.announce("run", 0, CheckpointSaved(str(step), "save", 1.0, True))  # writes the new root
-            await _until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
+            await until(lambda: service.stats.root(str(step.parent)).validations["valid"] == 1)
             for _ in range(2):
                 await service.sweep()
         finally:

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.daemon.checkpoints.conftest import commit_copy, file_modes_bind, run_service, shut_out
-from tests.daemon.checkpoints.test_service import FakeWorker, _tiny_checkpoint, _until
-from tests.daemon.checkpoints.test_service_faults import _events
+from tests.daemon.checkpoints.conftest import file_modes_bind, logged, shut_out
 from tests.support import DaemonProcess, select, start_daemon, wait_for
+from tests.support.checkpoints import FakeWorker, commit_copy, run_service, tiny_checkpoint, until
 from torchpulse.daemon.checkpoints.config import CheckpointsConfig, RootConfig
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.daemon.checkpoints.watcher import unreadable
@@ -164,17 +163,17 @@ def test_a_root_that_appears_later_is_logged_once_each_way_and_its_checkpoints_f
         for _ in range(10):
             await service.sweep()
         assert service.stats.root(str(root)).readable is False
-        _tiny_checkpoint(tmp_path / "made" / "step-1")
+        tiny_checkpoint(tmp_path / "made" / "step-1")
         (tmp_path / "made").rename(root)  # it appears with a checkpoint already in it
         await service.sweep()
         assert service.stats.root(str(root)).readable is True
-        await _until(lambda: [str(root / "step-1")] == worker.calls)
+        await until(lambda: [str(root / "step-1")] == worker.calls)
         for _ in range(3):
             await service.sweep()
         await asyncio.sleep(0.3)
 
     with capture_logs() as logs:
         run_service(tmp_path, config, body)
-    assert [(str(root), "No such file or directory")] == [(e["root"], e["error"]) for e in _events(logs, UNREADABLE)]
-    assert [(str(root), observer)] == [(e["root"], e["observer"]) for e in _events(logs, READABLE_AGAIN)]
-    assert [] == _events(logs, "cannot watch checkpoint root")
+    assert [(str(root), "No such file or directory")] == [(e["root"], e["error"]) for e in logged(logs, UNREADABLE)]
+    assert [(str(root), observer)] == [(e["root"], e["observer"]) for e in logged(logs, READABLE_AGAIN)]
+    assert [] == logged(logs, "cannot watch checkpoint root")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.checkpoints.conftest import commit_copy, enter_user_namespace, run_ranks, save_single, tried
+from tests.daemon.checkpoints.conftest import enter_user_namespace, save_single, tried
 from tests.support import DaemonProcess, select, start_daemon, wait_for
+from tests.support.checkpoints import commit_copy, run_ranks
 
 pytestmark = pytest.mark.slow
 ANNOUNCE_JOB = Path(__file__).with_name("announce_job.py")

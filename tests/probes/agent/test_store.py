@@ -68,6 +68,26 @@ def test_store_refuses_shapes_that_contradict_the_catalog() -> None:
         store.inc("optimizer_steps_total", ())
 
 
+def test_a_snapshot_is_every_series_as_it_stands_and_leaves_the_changes_to_send() -> None:
+    """snapshot() holds counters, gauges and histograms, sent or not, as copies; what is left to send stays."""
+    store = MetricStore()
+    store.inc("optimizer_steps_total", ("SGD#0",), 2.0)
+    store.observe("optimizer_step_duration_seconds", ("SGD#0",), 0.003)
+    store.take_changes()
+    store.set("optimizer_learning_rate", ("SGD#0", "0"), 0.1)
+    samples, histograms = store.snapshot()
+    store.inc("optimizer_steps_total", ("SGD#0",))
+    store.observe("optimizer_step_duration_seconds", ("SGD#0",), 0.003)
+    assert {("optimizer_steps_total", ("SGD#0",), 2.0), ("optimizer_learning_rate", ("SGD#0", "0"), 0.1)} == {
+        (s.family, s.labels, s.value) for s in samples
+    }
+    assert [("optimizer_step_duration_seconds", ("SGD#0",), 1, 0.003)] == [
+        (h.family, h.labels, sum(h.bucket_counts), h.total) for h in histograms
+    ]
+    changed, changed_histograms = store.take_changes()
+    assert (2, 1) == (len(changed), len(changed_histograms))  # the gauge and the counter; the histogram
+
+
 def test_bounded_label_folds_late_values_into_other() -> None:
     """Past the limit, new values map to `other` and are counted as folded."""
     label = BoundedLabel(2)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tests.support import local_agent
+from tests.support import local_agent, series
 
 
 @contextmanager
@@ -34,7 +34,7 @@ def passes(agent: Any, kind: str) -> float:
 
 def node_values(agent: Any, family: str) -> dict[str, float]:
     agent.drain()
-    return {labels[0]: value for (name, labels), value in agent.store._values.items() if name == family}
+    return {labels[0]: value for labels, value in series(agent, family).items()}
 
 
 def events(agent: Any, name: str) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import torch._dynamo
 import torch._dynamo.utils
 from torch._dynamo.utils import counters
 
-from tests.support import local_agent
+from tests.support import histogram_series, local_agent, series
 from torchpulse.probes.compile.reasons import function_label, is_recompile_limit
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
 
@@ -106,10 +106,6 @@ def scenario() -> Iterator[Scenario]:
     agent.shutdown()
 
 
-def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:
-    return {labels: value for (name, labels), value in agent.store._values.items() if name == family}
-
-
 def _label(fn: Any) -> str:
     return function_label(fn.__name__, fn.__code__.co_filename, _line(fn))
 
@@ -120,12 +116,12 @@ def test_frames_match_torch_counters(scenario: Scenario) -> None:
         ("ok",): float(scenario.frames["ok"]),
         ("failed",): float(scenario.frames["total"] - scenario.frames["ok"]),
     }
-    assert expected == _series(scenario.agent, "compile_frames_total")
+    assert expected == series(scenario.agent, "compile_frames_total")
 
 
 def test_each_recompile_is_counted_once_with_its_reason(scenario: Scenario) -> None:
     """Shape, dtype and Python-constant recompiles: one each, right class, same total as torch recorded."""
-    recompiles = _series(scenario.agent, "recompiles_total")
+    recompiles = series(scenario.agent, "recompiles_total")
     expected = {
         (_label(shape_fn), "tensor_size"): 1.0,
         (_label(dtype_fn), "dtype"): 1.0,
@@ -151,7 +147,7 @@ def test_recompile_limit_hit_is_counted(scenario: Scenario) -> None:
         )
     ]
     assert 1 == len(torch_hits)
-    assert {(_label(limit_fn),): 1.0} == _series(scenario.agent, "recompile_limit_hits_total")
+    assert {(_label(limit_fn),): 1.0} == series(scenario.agent, "recompile_limit_hits_total")
 
 
 def test_graph_break_is_counted_with_kind_and_line(scenario: Scenario) -> None:
@@ -159,39 +155,35 @@ def test_graph_break_is_counted_with_kind_and_line(scenario: Scenario) -> None:
     assert 1 == sum(scenario.graph_breaks.values())
     kind = next(iter(scenario.graph_breaks)).split("\n", 1)[0]
     location = f"compile/test_compile.py:{scenario.lines['break']}"
-    assert {(kind, location): 1.0} == _series(scenario.agent, "graph_breaks_total")
+    assert {(kind, location): 1.0} == series(scenario.agent, "graph_breaks_total")
 
 
 def test_compile_durations_cover_forward_and_lazy_backward(scenario: Scenario) -> None:
     """Every phase of the inductor forward and of its lazily compiled backward was observed."""
-    histograms = {
-        labels[0]: h
-        for (name, labels), h in scenario.agent.store._histograms.items()
-        if name == "compile_duration_seconds"
-    }
+    histograms = {labels[0]: h for labels, h in histogram_series(scenario.agent, "compile_duration_seconds").items()}
     for phase in ("dynamo", "aot_autograd", "inductor", "aot_autograd_backward", "inductor_backward"):
         assert phase in histograms
     backward = [m for m in scenario.metrics if m.is_forward is False]
-    assert len(backward) == sum(histograms["inductor_backward"].counts)
+    assert len(backward) == sum(histograms["inductor_backward"].bucket_counts)
     forward_frames = [
         m
         for m in scenario.metrics
         if m.is_forward is not False and not m.is_runtime and m.dynamo_cumulative_compile_time_us is not None
     ]
-    assert len(forward_frames) == sum(histograms["dynamo"].counts)
+    assert len(forward_frames) == sum(histograms["dynamo"].bucket_counts)
 
 
 def test_reduce_overhead_on_cpu_is_a_cudagraph_skip(scenario: Scenario) -> None:
     """CPU graphs skip CUDA graphs without a message; the counter increments are cpu_device skips."""
     assert scenario.cudagraph_skips >= 1
-    assert {("cpu_device",): float(scenario.cudagraph_skips)} == _series(scenario.agent, "cudagraph_skips_total")
+    assert {("cpu_device",): float(scenario.cudagraph_skips)} == series(scenario.agent, "cudagraph_skips_total")
 
 
 def test_optimizer_readiness_on_cpu_reports_nothing_to_fix(scenario: Scenario) -> None:
     """CPU tensors are never copied by CUDA graphs: readiness gauges are zero, the label is the optimizer probe's."""
-    assert {("SGD#0",): 0.0} == _series(scenario.agent, "optimizer_nonstatic_grads")
-    assert {("SGD#0",): 0.0} == _series(scenario.agent, "optimizer_cpu_step_tensors")
-    assert {} == _series(scenario.agent, "optimizer_capturable")
+    assert {("SGD#0",): 0.0} == series(scenario.agent, "optimizer_nonstatic_grads")
+    assert {("SGD#0",): 0.0} == series(scenario.agent, "optimizer_cpu_step_tensors")
+    assert {} == series(scenario.agent, "optimizer_capturable")
 
 
 def reset_fn(x: torch.Tensor) -> torch.Tensor:
@@ -239,8 +231,8 @@ def test_records_queued_before_detach_keep_their_labels(scenario: Scenario) -> N
     finally:
         agent.shutdown()  # with the limit hit's record still queued
     agent.drain()
-    assert {(_label(detach_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
-    assert {(_label(detach_fn), "tensor_size"): 1.0} == _series(agent, "recompiles_total")
+    assert {(_label(detach_fn),): 1.0} == series(agent, "recompile_limit_hits_total")
+    assert {(_label(detach_fn), "tensor_size"): 1.0} == series(agent, "recompiles_total")
 
 
 def fullgraph_fn(x: torch.Tensor) -> torch.Tensor:
@@ -262,9 +254,9 @@ def test_fullgraph_recompile_limit_hit_is_counted_and_raised_unchanged(scenario:
         agent.drain()
     finally:
         agent.shutdown()
-    assert {(_label(fullgraph_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
-    assert {} == _series(agent, "recompiles_total")
-    assert {("ok",): 1.0, ("failed",): 1.0} == _series(agent, "compile_frames_total")
+    assert {(_label(fullgraph_fn),): 1.0} == series(agent, "recompile_limit_hits_total")
+    assert {} == series(agent, "recompiles_total")
+    assert {("ok",): 1.0, ("failed",): 1.0} == series(agent, "compile_frames_total")
 
 
 def early_fn(x: torch.Tensor) -> torch.Tensor:
@@ -286,4 +278,4 @@ def test_limit_hit_of_a_function_compiled_before_attach_names_it(scenario: Scena
             agent.drain()
         finally:
             agent.shutdown()
-    assert {(_label(early_fn),): 1.0} == _series(agent, "recompile_limit_hits_total")
+    assert {(_label(early_fn),): 1.0} == series(agent, "recompile_limit_hits_total")

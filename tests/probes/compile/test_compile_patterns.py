@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import json
 import logging
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ import torch._dynamo.utils
 from torch._dynamo.utils import counters
 from torch._logging._internal import set_logs
 
-from tests.support import local_agent
+from tests.support import REPO, local_agent, series
 from torchpulse.probes.compile.probe import Compilation
 from torchpulse.probes.compile.reasons import function_label
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
@@ -38,10 +41,6 @@ class Net(torch.nn.Module):
     def forward(self, x):
         return self.lin(x).relu()
 """
-
-
-def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:
-    return {labels: value for (name, labels), value in agent.store._values.items() if name == family}
 
 
 def _label(fn: Any) -> str:
@@ -165,7 +164,7 @@ def test_automatic_and_marked_dynamic_shapes_recompile_once_with_the_size_reason
     """Automatic dynamic recompiles once (size), a marked dimension never, another rank once (size)."""
     assert {(_label(automatic_fn), "tensor_size"): 1.0, (_label(marked_fn), "tensor_size"): 1.0} == {
         labels: value
-        for labels, value in _series(patterns.agent, "recompiles_total").items()
+        for labels, value in series(patterns.agent, "recompiles_total").items()
         if labels[0] in (_label(automatic_fn), _label(marked_fn))
     }
 
@@ -173,7 +172,7 @@ def test_automatic_and_marked_dynamic_shapes_recompile_once_with_the_size_reason
 def test_same_method_name_in_two_files_gets_two_labels(patterns: Patterns) -> None:
     """model.compile() of two models whose forward has the same name and line: labels differ by file."""
     expected = {(f"forward ({path.parent.name}/model.py:9)", "grad_mode"): 1.0 for path in patterns.model_files}
-    recompiles = _series(patterns.agent, "recompiles_total")
+    recompiles = series(patterns.agent, "recompiles_total")
     assert expected == {labels: value for labels, value in recompiles.items() if labels[0].endswith("model.py:9)")}
 
 
@@ -182,7 +181,7 @@ def test_compiled_method_attribute_change_is_a_module_attribute_recompile(patter
     label = _label(inspect.unwrap(Scaled.forward))
     assert label.startswith("forward (compile/test_compile_patterns.py:")
     assert {(label, "global_or_module_attribute"): 1.0} == {
-        labels: value for labels, value in _series(patterns.agent, "recompiles_total").items() if labels[0] == label
+        labels: value for labels, value in series(patterns.agent, "recompiles_total").items() if labels[0] == label
     }
 
 
@@ -198,13 +197,13 @@ def test_graph_breaks_have_dynamo_kind_and_user_line(patterns: Patterns) -> None
         ("Data-dependent branching", f"{where}:{_marked_line('BRANCH-LINE')}"): 1.0,
         ("Skip calling `torch.compiler.disable()`d function", f"{where}:{_marked_line('DISABLE-LINE')}"): 1.0,
     }
-    assert expected == _series(patterns.agent, "graph_breaks_total")
+    assert expected == series(patterns.agent, "graph_breaks_total")
     assert Counter({kind: int(value) for (kind, _), value in expected.items()}) == patterns.graph_breaks
 
 
 def test_frames_match_torch_counters(patterns: Patterns) -> None:
     """Every frame of the patterns compiled, as Dynamo counted them."""
-    assert {("ok",): float(patterns.frames["ok"]), ("failed",): 0.0} == _series(patterns.agent, "compile_frames_total")
+    assert {("ok",): float(patterns.frames["ok"]), ("failed",): 0.0} == series(patterns.agent, "compile_frames_total")
     assert patterns.frames["ok"] == patterns.frames["total"]
 
 
@@ -242,7 +241,7 @@ def test_graph_break_log_turned_on_later_prints_the_full_break(patterns: Pattern
         agent.shutdown()
     assert 1 == len(printed)
     assert printed[0].startswith("Graph break in user code at "), printed[0][:120]
-    assert 2.0 == sum(_series(agent, "graph_breaks_total").values())
+    assert 2.0 == sum(series(agent, "graph_breaks_total").values())
 
 
 def _compilation(
@@ -295,8 +294,8 @@ def test_limit_hit_under_compiled_autograd_names_its_own_frame() -> None:
             probe._on_compilation(c)
     finally:
         agent.shutdown()
-    assert {("hook_fn (job/train.py:3)",): 1.0} == _series(agent, "recompile_limit_hits_total")
-    assert {("hook_fn (job/train.py:3)", "tensor_size"): 1.0} == _series(agent, "recompiles_total")
+    assert {("hook_fn (job/train.py:3)",): 1.0} == series(agent, "recompile_limit_hits_total")
+    assert {("hook_fn (job/train.py:3)", "tensor_size"): 1.0} == series(agent, "recompiles_total")
 
 
 def test_a_compiled_optimizer_step_keeps_its_math_compiled_and_is_timed() -> None:
@@ -327,10 +326,60 @@ def test_a_compiled_optimizer_step_keeps_its_math_compiled_and_is_timed() -> Non
             for m in dynamo_compat.compilation_metrics_history()
             if id(m) not in earlier
         }
-        steps = _series(agent, "optimizer_steps_total")
+        steps = series(agent, "optimizer_steps_total")
     finally:
         agent.shutdown()
     assert ("step", True) in names  # SGD.step itself compiled
     assert [3.0] == list(steps.values())
     for want, got in zip(reference.parameters(), probed.parameters(), strict=True):
         torch.testing.assert_close(got, want)
+
+
+# The job configures logging the way `dictConfig` does by default (disable_existing_loggers=True) after it has
+# imported torch and Dynamo: every torch logger that exists is disabled, also those the probe reads.
+DICT_CONFIG_JOB = r"""
+import io, json, logging.config
+import torch, torch._dynamo
+from torch._dynamo.utils import counters
+from tests.support import local_agent
+from torchpulse.probes.torch_compat import dynamo as dynamo_compat
+agent = local_agent(("compile",))
+printed = io.StringIO()
+logging.config.dictConfig({"version": 1, "handlers": {"out": {"class": "logging.StreamHandler", "stream": printed}},
+                           "root": {"handlers": ["out"], "level": "DEBUG"}})
+
+def f(x):
+    x = x + 1
+    torch._dynamo.graph_break()
+    return x * 2
+
+compiled = torch.compile(f, backend="eager", dynamic=False)
+compiled(torch.randn(3))
+compiled(torch.randn(4))  # f and its resume function recompile
+agent.drain()
+samples, _ = agent.store.snapshot()
+series = {name: sum(s.value for s in samples if s.family == name)
+          for name in ("compile_frames_total", "recompiles_total", "graph_breaks_total")}
+agent.shutdown()
+taps = (dynamo_compat.METRICS_LOGGER, dynamo_compat.GRAPH_BREAK_LOGGER)
+disabled = [logging.getLogger(name).disabled for name in taps]
+print(json.dumps({"probe": series, "torch": [counters["frames"]["ok"], sum(counters["graph_break"].values())],
+                  "printed": printed.getvalue(), "disabled": disabled}))
+"""
+
+
+@pytest.mark.process
+def test_loggers_disabled_by_dict_config_still_feed_the_probe_and_stay_silent() -> None:
+    """A job's dictConfig disables torch's loggers: compiles are still counted, nothing is printed, the flag comes back.
+
+    (The probe saw nothing: a disabled logger drops records before its filters, and no metric moved.)
+    """
+    out = subprocess.run([sys.executable, "-c", DICT_CONFIG_JOB], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert 0 == out.returncode, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {
+        "probe": {"compile_frames_total": 4.0, "recompiles_total": 2.0, "graph_breaks_total": 2.0},
+        "torch": [4, 2],
+        "printed": "",
+        "disabled": [True, True],
+    } == result

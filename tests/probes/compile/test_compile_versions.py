@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo.utils
 
-from tests.support import local_agent
+from tests.support import local_agent, series
 from torchpulse.probes.compile.probe import Compilation, is_recompile_id
 from torchpulse.probes.compile.reasons import function_label
 from torchpulse.probes.torch_compat import features
@@ -33,10 +33,6 @@ def agent() -> Iterator[Any]:
     agent: Any = local_agent(("compile",))
     yield agent
     agent.shutdown()
-
-
-def _series(agent: Any, family: str) -> dict[tuple[str, ...], float]:
-    return {labels: value for (name, labels), value in agent.store._values.items() if name == family}
 
 
 @pytest.mark.parametrize(
@@ -65,8 +61,8 @@ def test_records_without_reasons_count_recompiles_as_other(agent: Any) -> None:
         agent.record(probe._on_compilation, Compilation.of(OldMetrics(compile_id)))
     agent.drain()
     label = function_label("step", "/job/train.py", 7)
-    assert {(label, "other"): 2.0} == _series(agent, "recompiles_total")
-    assert {("ok",): 3.0, ("failed",): 0.0} == _series(agent, "compile_frames_total")
+    assert {(label, "other"): 2.0} == series(agent, "recompiles_total")
+    assert {("ok",): 3.0, ("failed",): 0.0} == series(agent, "compile_frames_total")
 
 
 def test_a_limit_hit_torch_2_10_records_as_recompile_limit_exceeded_is_no_recompile(agent: Any) -> None:
@@ -85,8 +81,8 @@ def test_a_limit_hit_torch_2_10_records_as_recompile_limit_exceeded_is_no_recomp
     )
     agent.drain()
     label = function_label("step", "/job/train.py", 7)
-    assert {(label,): 1.0} == _series(agent, "recompile_limit_hits_total")
-    assert {} == _series(agent, "recompiles_total")
+    assert {(label,): 1.0} == series(agent, "recompile_limit_hits_total")
+    assert {} == series(agent, "recompiles_total")
 
 
 def count_fn(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -105,4 +101,4 @@ def test_recompiles_match_the_compile_ids_torch_recorded(agent: Any) -> None:
     assert 2 == len(expected)
     label = function_label(count_fn.__name__, count_fn.__code__.co_filename, count_fn.__code__.co_firstlineno)
     reason = "python_value" if features.has("compilation_metrics_recompile_reason") else "other"
-    assert {(label, reason): float(len(expected))} == _series(agent, "recompiles_total")
+    assert {(label, reason): float(len(expected))} == series(agent, "recompiles_total")

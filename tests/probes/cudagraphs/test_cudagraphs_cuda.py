@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support import local_agent
+from tests.support import histogram_series, local_agent, series
 from torchpulse.probes.compile.logtap import LogTap
 from torchpulse.probes.torch_compat import cudagraph_trees as trees_compat
 from torchpulse.probes.torch_compat import dynamo as dynamo_compat
@@ -25,17 +25,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 Series = dict[tuple[str, ...], float]
 
 
-def _series(agent: Any, family: str, optimizer: str | None = None) -> Series:
-    return {
-        labels: value
-        for (name, labels), value in agent.store._values.items()
-        if name == family and (optimizer is None or labels[0] == optimizer)
-    }
-
-
 def _grown(agent: Any, family: str, before: Series) -> Series:
     """The series of a counter family that grew since `before`, by how much."""
-    now = _series(agent, family)
+    now = series(agent, family)
     return {
         labels: value - before.get(labels, 0.0) for labels, value in now.items() if value != before.get(labels, 0.0)
     }
@@ -108,8 +100,8 @@ def test_recordings_warmups_trees_and_pool_match_torchs_trees(agent: Any) -> Non
     assert nodes - nodes0 >= 2  # forward and backward recorded
     assert (float(trees), float(nodes)) == (_value(agent, "cudagraph_trees"), _value(agent, "cudagraph_nodes"))
     assert float(nodes - nodes0) == _value(agent, "cudagraph_recordings_total") - recordings0
-    durations = agent.store._histograms[("cudagraph_recording_duration_seconds", ())]
-    assert _value(agent, "cudagraph_recordings_total") == float(sum(durations.counts))
+    durations = histogram_series(agent, "cudagraph_recording_duration_seconds")[()]
+    assert _value(agent, "cudagraph_recordings_total") == float(sum(durations.bucket_counts))
     assert warmed - warmed0 >= 2
     assert float(warmed - warmed0) == _value(agent, "cudagraph_warmups_total") - warmups0
     assert trees - trees0 >= 1
@@ -150,17 +142,17 @@ def test_readiness_counts_what_dynamo_would_find(agent: Any) -> None:
     nonstatic = sum(not _is_static_for_cudagraphs(p.grad) for p in cuda_params)  # type: ignore[arg-type]
     moved = sum(before != after for before, after in zip(addresses[-2], addresses[-1], strict=True))
     assert nonstatic >= 2 and moved >= 2  # at least the eager model's weight and bias
-    assert {(label,): float(nonstatic)} == _series(agent, "optimizer_nonstatic_grads", label)
-    assert {(label,): float(moved)} == _series(agent, "optimizer_moving_grads", label)
+    assert {(label,): float(nonstatic)} == series(agent, "optimizer_nonstatic_grads", label)
+    assert {(label,): float(moved)} == series(agent, "optimizer_moving_grads", label)
     # Adam without capturable keeps `step` on the CPU; the CPU param's own step is not a hazard.
-    assert {(label,): 4.0} == _series(agent, "optimizer_cpu_step_tensors", label)
-    assert {(label, "0"): 0.0, (label, "1"): 0.0} == _series(agent, "optimizer_capturable", label)
+    assert {(label,): 4.0} == series(agent, "optimizer_cpu_step_tensors", label)
+    assert {(label, "0"): 0.0, (label, "1"): 0.0} == series(agent, "optimizer_capturable", label)
 
 
 def test_mutated_input_skip_is_classified(agent: Any) -> None:
     """A graph that mutates a non-static input skips CUDA graphs; counted as mutated_inputs like torch counts it."""
     before = dynamo_compat.dynamo_counter("inductor", "cudagraph_skips")
-    skips = _series(agent, "cudagraph_skips_total")
+    skips = series(agent, "cudagraph_skips_total")
 
     def mutate(x: torch.Tensor) -> torch.Tensor:
         x.add_(1)
@@ -190,7 +182,7 @@ def _symint_lines() -> tuple[list[str], LogTap]:
 def _assert_second_sizes_rerecord_once_per_graph(agent: Any, run_size: Callable[[int], object]) -> None:
     """Run three calls of size 4, then three of size 6: every graph with symint inputs logs one "symint key"
     line per size, and only its second size counts as a new_dynamic_shape re-recording."""
-    rerecords = _series(agent, "cudagraph_rerecords_total")
+    rerecords = series(agent, "cudagraph_rerecords_total")
     lines, tap = _symint_lines()
     try:
         for n in (4, 4, 4, 6, 6, 6):
@@ -236,7 +228,7 @@ def test_alternating_parameter_storage_is_one_rerecord(agent: Any) -> None:
     first = model.weight.data
     second = first.clone()
     x = torch.randn(4, 8, device="cuda")
-    rerecords = _series(agent, "cudagraph_rerecords_total")
+    rerecords = series(agent, "cudagraph_rerecords_total")
     _, _, again0, _ = _trees()
     with torch.no_grad():
         for weight in (first, first, first, second, first, second, first, second):

@@ -1,8 +1,9 @@
 """Cumulative metric state kept inside the agent.
 
-Only the agent's sender thread touches a store. Counters are running totals
-since the process started, so a daemon that restarts (or a batch that is lost
-with a broken connection) loses no counts: the next batch carries the totals.
+Only the agent's sender thread touches a store; `snapshot()`, a copy, may also
+be read from another thread. Counters are running totals since the process
+started, so a daemon that restarts (or a batch that is lost with a broken
+connection) loses no counts: the next batch carries the totals.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ class MetricStore:
 
     def value(self, name: str, labels: tuple[str, ...] = ()) -> float | None:
         return self._values.get((name, labels))
+
+    def snapshot(self) -> tuple[list[Sample], list[HistogramSample]]:
+        """Every series as it stands, what a resend after `mark_all_dirty` would carry; the change marks stay as
+        they are.
+
+        Read-only, and a copy: each table is copied in one step (`dict.copy`) before it is read, so a reader on
+        another thread (a job's or a test's, while the sender runs) never meets a table that changes size under
+        it; the two tables are read one after the other, not as one view.
+        """
+        values, histograms = self._values.copy(), self._histograms.copy()
+        samples = [Sample(name, labels, value) for (name, labels), value in values.items()]
+        return samples, [
+            HistogramSample(name, labels, tuple(histogram.counts), histogram.total)
+            for (name, labels), histogram in histograms.items()
+        ]
 
     def mark_all_dirty(self) -> None:
         """After a reconnect the daemon may know nothing: resend everything."""
