@@ -18,7 +18,6 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="torchp
 import _posixsubprocess
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 from hypothesis import settings
 
 from tests.support import DaemonProcess, built_once, require_tool, start_daemon
-from tests.support.checkpoints import SAVE_SCRIPT
+from tests.support.checkpoints import save
 from tests.support.guards import no_swallowed_probe_errors, no_thread_leaks
 
 __all__ = ["no_swallowed_probe_errors", "no_thread_leaks"]  # autouse: every test runs under both
@@ -117,16 +116,7 @@ def single_root(run_tmp: Path) -> Path:
     """Single-process checkpoints (nested, flat, model-only, zstd, safetensors), saved once per run: copy, never
     mutate."""
 
-    def save(root: Path) -> None:
-        subprocess.run(
-            [sys.executable, str(SAVE_SCRIPT), "all_single", str(root)],
-            check=True,
-            timeout=300,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-    return built_once(run_tmp, "single", save)
+    return built_once(run_tmp, "single", lambda root: save("all_single", root, timeout=300))
 
 
 @pytest.fixture(scope="session")

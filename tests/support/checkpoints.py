@@ -24,6 +24,17 @@ if TYPE_CHECKING:  # the daemon's modules are imported where they are used: test
 SAVE_SCRIPT = REPO / "tests" / "checkpoints" / "ckpt_save.py"
 
 
+def save(kind: str, out: Path, timeout: float = 120.0) -> None:
+    """One real single-process save of the save script's `kind` into `out` (its own process, like a job)."""
+    subprocess.run(
+        [sys.executable, str(SAVE_SCRIPT), kind, str(out)],
+        check=True,
+        timeout=timeout,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def run_ranks(kind: str, out: Path, world: int, timeout: float = 120.0, script: Path = SAVE_SCRIPT) -> list[int]:
     """Start `world` real processes of `script KIND OUT RANK WORLD STORE` that save together over gloo.
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support import DaemonProcess
-from tests.support.checkpoints import SAVE_SCRIPT, FakeWorker
+from tests.support.checkpoints import FakeWorker, save
 from torchpulse.daemon.checkpoints import runner as checkpoint_runner
 from torchpulse.daemon.checkpoints.service import CheckpointService
 from torchpulse.demo import crash_an_overwrite
@@ -128,13 +128,7 @@ def shut_out(path: Path, mode: int = 0o700) -> None:
 
 def save_single(out: Path) -> None:
     """One real single-process DCP save into `out` (its own process, like a job)."""
-    subprocess.run(
-        [sys.executable, str(SAVE_SCRIPT), "single", str(out)],
-        check=True,
-        timeout=120,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    save("single", out)
 
 
 def logged(logs: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
