@@ -60,6 +60,29 @@ def make_agent(capacity: int | None = None) -> Agent:
     return Agent(config, current_identity(), FAMILY_TABLE)
 
 
+def probes_arm(agent: Agent) -> tuple[list[Probe], Callable[[], None], Callable[[], None]]:
+    """The compile and cudagraphs probes of `agent`, and the enter and leave of the arm they are installed in,
+    each checking that the optimizer hooks are what the arm claims."""
+    probes: list[Probe] = [CompileProbe(agent), CudaGraphProbe(agent)]
+    hooks_off = optimizer_hooks()
+
+    def enter() -> None:
+        for probe in probes:
+            probe.install()
+        # The cudagraphs probe's optimizer post-hook is its per-step work: there in `on` only.
+        if optimizer_hooks() != hooks_off + 1:
+            raise RuntimeError("the probes did not register their optimizer hook")
+
+    def leave() -> None:
+        for probe in probes:
+            probe.uninstall()
+        agent.drain()
+        if optimizer_hooks() != hooks_off:
+            raise RuntimeError("the probes left an optimizer hook behind")
+
+    return probes, enter, leave
+
+
 def _frames_compiled() -> int:
     """Frames Dynamo compiled so far in this process (recompiles included)."""
     return int(sum(torch._dynamo.utils.counters["frames"].values()))
@@ -81,22 +104,7 @@ def step_time_ratio(rounds: int, block: int) -> bool:
         optimizer.zero_grad()
 
     agent = make_agent()
-    probes = [CompileProbe(agent), CudaGraphProbe(agent)]
-    hooks_off = optimizer_hooks()
-
-    def enter() -> None:
-        for probe in probes:
-            probe.install()
-        # The cudagraphs probe's optimizer post-hook is its per-step work: there in `on` only.
-        if optimizer_hooks() != hooks_off + 1:
-            raise RuntimeError("the probes did not register their optimizer hook")
-
-    def leave() -> None:
-        for probe in probes:
-            probe.uninstall()
-        agent.drain()
-        if optimizer_hooks() != hooks_off:
-            raise RuntimeError("the probes left an optimizer hook behind")
+    probes, enter, leave = probes_arm(agent)
 
     started = time.perf_counter()
     for _ in range(3):

@@ -37,13 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torchpulse
 from bench.autograd_overhead import SelfTime, make_probe
 from bench.compile_overhead import BUDGET as COMPILE_BUDGET
-from bench.compile_overhead import _frames_compiled, make_agent, per_step_self_time
+from bench.compile_overhead import _frames_compiled, make_agent, per_step_self_time, probes_arm
 from bench.harness import Variant, bench_dir, interleaved, median_interval, optimizer_hooks, report, running_daemon
-from bench.overhead import _hook_cost
+from bench.overhead import _hook_cost, counted_every_step
 from torchpulse.probes.agent.agent import Agent
 from torchpulse.probes.autograd.probe import AutogradProbe
-from torchpulse.probes.compile.probe import CompileProbe
-from torchpulse.probes.cudagraphs.probe import CudaGraphProbe
 from torchpulse.probes.optimizer import OptimizerProbe
 
 OPTIMIZER_BUDGET = 1.01
@@ -169,13 +167,7 @@ def optimizer_overhead(settings: Settings) -> bool:
                 {"optimizer probe on": OPTIMIZER_BUDGET},
                 settings.block,
             )
-            agent.flush()
-            counted = agent.store.value("optimizer_steps_total", (probe.label_of(optimizer),)) or 0
-            seen = counted == steps_run[True]
-            print(
-                f"  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
-                f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})"
-            )
+            seen = counted_every_step(agent, probe, optimizer, steps_run)
             print(f"  one optimizer hook call: {_hook_cost(probe, 2000 if settings.smoke else 5000):.2f} µs")
             return _verdict(ok and seen, times["probes off"], settings)
         finally:
@@ -362,21 +354,7 @@ def compile_overhead(settings: Settings) -> bool:
         settings.sync()
 
     agent = make_agent()
-    probes = [CompileProbe(agent), CudaGraphProbe(agent)]
-    hooks_off = optimizer_hooks()
-
-    def enter() -> None:
-        for probe in probes:
-            probe.install()
-        if optimizer_hooks() != hooks_off + 1:
-            raise RuntimeError("the probes did not register their optimizer hook")
-
-    def leave() -> None:
-        for probe in probes:
-            probe.uninstall()
-        agent.drain()
-        if optimizer_hooks() != hooks_off:
-            raise RuntimeError("the probes left an optimizer hook behind")
+    probes, enter, leave = probes_arm(agent)
 
     started = time.perf_counter()
     for _ in range(4):

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torchpulse
 from bench.harness import Variant, bench_dir, interleaved, optimizer_hooks, report, running_daemon
+from torchpulse.probes.agent.agent import Agent
 from torchpulse.probes.optimizer import OptimizerProbe
 
 
@@ -37,6 +38,21 @@ def _model_step(d_model: int, batch: int, seq: int) -> tuple[nn.Module, torch.op
         optimizer.step()
 
     return model, optimizer, step
+
+
+def counted_every_step(
+    agent: Agent, probe: OptimizerProbe, optimizer: torch.optim.Optimizer, steps_run: dict[bool, int]
+) -> bool:
+    """Whether the probe counted exactly the steps run with it installed (`steps_run[True]`), printed: else the
+    arms were not what they claim."""
+    agent.flush()
+    counted = agent.store.value("optimizer_steps_total", (probe.label_of(optimizer),)) or 0
+    seen = counted == steps_run[True]
+    print(
+        f"  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
+        f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})"
+    )
+    return seen
 
 
 def _hook_cost(probe: object, iterations: int = 20000) -> float:
@@ -117,13 +133,8 @@ def main() -> int:
                 {"optimizer probe on": 1.01},
                 args.steps_per_block,
             )
-            agent.flush()
-            counted = agent.store.value("optimizer_steps_total", (probe.label_of(optimizer),)) or 0
-            seen = counted == steps_run[True]
-            print(
-                f"\n  the probe counted {counted:.0f} steps: {steps_run[True]} ran with it installed, "
-                f"{steps_run[False]} without ({'ok' if seen else 'MISMATCH: the arms are not what they claim'})"
-            )
+            print()
+            seen = counted_every_step(agent, probe, optimizer, steps_run)
             print(f"  one optimizer hook call: {_hook_cost(probe):.2f} µs (pre + post hook per step)")
             agent.flush()
             print(f"  events dropped by the agent: {agent.dropped_total}")
